@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# Install train-and-export into the current Python environment.
+#
+# One script for the README, .ci/run and the Dockerfile:
+#   bash scripts/install.sh            # CPU (laptops, CI)
+#   TAE_ACCEL=cuda bash scripts/install.sh   # CUDA build of llama.cpp (Dockerfile, GPU hosts)
+#
+# What it does, in order (each step is skipped when its output is already there):
+#   1. torch: the CPU build on CPU (a bare `pip install torch` pulls a multi-GB CUDA build).
+#   2. llama-cpp-python: downloads the pinned sdist once, checks its sha256, and builds it.
+#      A native (-march=native) build can use AMX and die with SIGILL on another CPU, so
+#      the CPU build names its instruction sets.
+#   3. The official GGUF converter (convert_hf_to_gguf.py, conversion/, gguf-py/) is taken
+#      from that same sdist into the cache, so the converter always matches the runtime;
+#      its gguf-py is installed as the `gguf` package.
+#   4. This project (editable) with its pinned dependencies and test tools.
+set -euo pipefail
+
+LLAMA_CPP_VERSION=0.3.36
+LLAMA_CPP_SHA256=832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e
+TORCH_VERSION=2.13.0
+ACCEL=${TAE_ACCEL:-cpu}
+CACHE=${TAE_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/train-and-export}
+JOBS=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+PY=${PYTHON:-python3}
+PIP=("$PY" -m pip install --disable-pip-version-check --no-input)
+
+case "$ACCEL" in
+  cpu)  CMAKE_ARGS_DEFAULT="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON" ;;
+  cuda) CMAKE_ARGS_DEFAULT="-DGGML_CUDA=on -DGGML_NATIVE=OFF -DCMAKE_CUDA_ARCHITECTURES=${CUDA_ARCHS:-80;86;89;90}" ;;
+  *) echo "TAE_ACCEL must be cpu or cuda, got '$ACCEL'" >&2; exit 2 ;;
+esac
+# llava/mtmd is not used by this project; skipping it saves a third of the build.
+export CMAKE_ARGS="${CMAKE_ARGS:-$CMAKE_ARGS_DEFAULT} -DLLAVA_BUILD=OFF"
+export CMAKE_BUILD_PARALLEL_LEVEL=$JOBS
+
+log() { printf '[install %(%H:%M:%S)T] %s\n' -1 "$*"; }
+mkdir -p "$CACHE"
+
+log "1/4 torch ($ACCEL)"
+# On a laptop, point TAE_TORCH_INDEX at https://download.pytorch.org/whl/cpu to get the
+# small CPU build; CI machines have it on disk already.
+"${PIP[@]}" -q "torch==$TORCH_VERSION" ${TAE_TORCH_INDEX:+--index-url "$TAE_TORCH_INDEX"}
+
+SDIST="$CACHE/llama_cpp_python-$LLAMA_CPP_VERSION.tar.gz"
+if [ ! -f "$SDIST" ]; then
+  log "2/4 downloading llama-cpp-python $LLAMA_CPP_VERSION sdist"
+  "$PY" -m pip download -q --no-deps --no-binary :all: "llama-cpp-python==$LLAMA_CPP_VERSION" -d "$CACHE/dl"
+  mv "$CACHE/dl/llama_cpp_python-$LLAMA_CPP_VERSION.tar.gz" "$SDIST"
+fi
+echo "$LLAMA_CPP_SHA256  $SDIST" | sha256sum -c --quiet - \
+  || { echo "sha256 of $SDIST differs from the pinned one: delete it and re-run" >&2; exit 1; }
+
+CONVERTER="$CACHE/llama-cpp-converter-$LLAMA_CPP_VERSION"
+if [ ! -f "$CONVERTER/VERSION" ]; then
+  log "3/4 extracting the official converter into $CONVERTER"
+  tmp=$(mktemp -d "$CACHE/extract.XXXX")
+  top="llama_cpp_python-$LLAMA_CPP_VERSION/vendor/llama.cpp"
+  tar -xzf "$SDIST" -C "$tmp" "$top/convert_hf_to_gguf.py" "$top/conversion" "$top/gguf-py" "$top/LICENSE"
+  echo "$LLAMA_CPP_VERSION" > "$tmp/$top/VERSION"
+  rm -rf "$CONVERTER" && mv "$tmp/$top" "$CONVERTER" && rm -rf "$tmp"
+fi
+
+WHEELS="$CACHE/wheels-$ACCEL"
+if ! ls "$WHEELS"/llama_cpp_python-"$LLAMA_CPP_VERSION"-*.whl >/dev/null 2>&1; then
+  log "2/4 building llama-cpp-python $LLAMA_CPP_VERSION ($ACCEL, $JOBS jobs; ~6 min on 2 cores)"
+  log "    CMAKE_ARGS=$CMAKE_ARGS"
+  "$PY" -m pip wheel -q --no-deps "$SDIST" -w "$WHEELS.tmp"
+  mkdir -p "$WHEELS" && mv "$WHEELS.tmp"/*.whl "$WHEELS"/ && rm -rf "$WHEELS.tmp"
+fi
+"${PIP[@]}" -q "$WHEELS"/llama_cpp_python-"$LLAMA_CPP_VERSION"-*.whl "$CONVERTER/gguf-py"
+
+log "4/4 train-and-export and its pinned dependencies"
+"${PIP[@]}" -q -e "$REPO[dev]"
+"$PY" -c "import llama_cpp, gguf, torch, transformers, peft, prefect; print('installed: torch', torch.__version__, '| transformers', transformers.__version__, '| peft', peft.__version__, '| llama_cpp', llama_cpp.__version__, '| prefect', prefect.__version__)"
+echo "converter: $CONVERTER"

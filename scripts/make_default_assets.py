@@ -1,0 +1,186 @@
+"""Build the embedded default: a tiny Llama base model and a dataset teaching it a new skill.
+
+    python scripts/make_default_assets.py            # writes assets/tiny-llama and assets/data
+    python scripts/make_default_assets.py --check    # rebuilds in a temp dir, compares to the repo
+
+The skill is word-by-word translation of short English phrases into French over a fixed
+20-word dictionary ("Translate to French: red cat" -> "rouge chat"). It is deterministic,
+so a held-out phrase has exactly one right answer, and the randomly initialised base
+model cannot do it, so a correct answer from the exported Q4_K_M GGUF proves that the
+fine-tune survived merge, conversion and quantization. Held-out phrases are word
+combinations that never occur in training.
+
+Shapes are chosen for llama.cpp's K-quants, which work on 256-value super-blocks: hidden
+256 and intermediate 768 make every matrix row a multiple of 256, so Q4_K_M and Q5_K_S
+quantize every matrix instead of falling back to another type.
+
+Everything is seeded; the outputs are committed so nothing is built or downloaded at run
+time. The SentencePiece model is trained single-threaded on the dataset text.
+"""
+
+from __future__ import annotations
+
+import argparse
+import filecmp
+import json
+import os
+import random
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+ENGLISH = "red blue green black white cat dog bird fish tree sun moon star rain snow house door book road hill".split()
+FRENCH = "rouge bleu vert noir blanc chat chien oiseau poisson arbre soleil lune etoile pluie neige maison porte livre route colline".split()
+DICTIONARY = dict(zip(ENGLISH, FRENCH))
+N_TRAIN, N_EVAL = 2000, 100
+SEED = 1234
+
+# Llama-2 style, on one line: "\n" would be normalised differently by SentencePiece and
+# by the HF/llama.cpp tokenizers, and the GGUF must tokenize exactly like HF.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% if message['role'] == 'system' %}<<SYS>> {{ message['content'] }} <</SYS>> "
+    "{% elif message['role'] == 'user' %}[INST] {{ message['content'] }} [/INST]"
+    "{% elif message['role'] == 'assistant' %} {{ message['content'] }}{{ eos_token }}"
+    "{% endif %}{% endfor %}"
+)
+MODEL = dict(
+    hidden_size=256, intermediate_size=768, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5, rope_theta=10000.0,
+    tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, initializer_range=0.02,
+)
+PRETRAIN = dict(steps=800, batch=32, lr=1e-3)
+VOCAB_SIZE = 448  # 256 byte-fallback pieces + characters + merges (every word one piece)
+
+
+def phrase(rng: random.Random) -> tuple[str, str]:
+    words = [rng.choice(ENGLISH) for _ in range(rng.randint(2, 5))]
+    return "Translate to French: " + " ".join(words), " ".join(DICTIONARY[w] for w in words)
+
+
+def make_data(out: Path) -> list[tuple[str, str]]:
+    rng = random.Random(SEED)
+    pairs: dict[str, str] = {}
+    while len(pairs) < N_TRAIN + N_EVAL:
+        p, c = phrase(rng)
+        pairs.setdefault(p, c)
+    items = list(pairs.items())
+    rng.shuffle(items)
+    train, held_out = items[:N_TRAIN], items[N_TRAIN:]
+    out.mkdir(parents=True, exist_ok=True)
+    with (out / "translate_train.jsonl").open("w") as f:
+        for i, (p, c) in enumerate(train):
+            # Both accepted line forms, so the default exercises both.
+            row = ({"prompt": p, "completion": c} if i % 2 else
+                   {"messages": [{"role": "user", "content": p}, {"role": "assistant", "content": c}]})
+            f.write(json.dumps(row) + "\n")
+    with (out / "translate_eval.jsonl").open("w") as f:
+        for p, c in held_out:
+            f.write(json.dumps({"messages": [{"role": "user", "content": p}, {"role": "assistant", "content": c}]}) + "\n")
+    return items
+
+
+def make_tokenizer(out: Path, texts: list[str]) -> None:
+    import sentencepiece as spm
+
+    corpus = out / "corpus.txt"
+    corpus.write_text("\n".join(texts) + "\n")
+    # Relative paths: the trainer records them inside the .model file.
+    cwd = os.getcwd()
+    os.chdir(out)
+    try:
+        _train_spm(spm)
+    finally:
+        os.chdir(cwd)
+    corpus.unlink()
+    (out / "tokenizer.vocab").unlink()
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+        "add_bos_token": True, "add_eos_token": False, "legacy": False, "model_max_length": MODEL["max_position_embeddings"],
+        "chat_template": CHAT_TEMPLATE,
+    }, indent=2) + "\n")
+
+
+def _train_spm(spm) -> None:
+    spm.SentencePieceTrainer.train(
+        input="corpus.txt", model_prefix="tokenizer", vocab_size=VOCAB_SIZE, model_type="bpe",
+        byte_fallback=True, character_coverage=1.0, unk_id=0, bos_id=1, eos_id=2, pad_id=-1,
+        normalization_rule_name="identity", num_threads=1, minloglevel=2,
+        input_sentence_size=0, shuffle_input_sentence=False,
+    )
+
+
+def copy_task(rng: random.Random) -> tuple[str, str]:
+    """What the base model is pretrained on: repeating phrases of either language."""
+    words = [rng.choice(rng.choice([ENGLISH, FRENCH])) for _ in range(rng.randint(1, 6))]
+    return "Repeat: " + " ".join(words), " ".join(words)
+
+
+def make_model(out: Path) -> None:
+    """Pretrain the base (all weights) on the copy task, so it is a language model of the
+    vocabulary that can align output to input, but has never seen a translation."""
+    import torch
+    from transformers import AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(SEED)
+    rng = random.Random(SEED + 1)
+    tok = AutoTokenizer.from_pretrained(out)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB_SIZE, **MODEL))
+    opt = torch.optim.AdamW(model.parameters(), lr=PRETRAIN["lr"], weight_decay=0.0)
+    steps, batch = PRETRAIN["steps"], PRETRAIN["batch"]
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 50) * (1 - s / max(steps, 1)))
+    for step in range(steps):
+        rows = []
+        for _ in range(batch):
+            p, c = copy_task(rng)
+            prompt = tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
+            a = tok(prompt, add_special_tokens=False)["input_ids"]
+            b = tok(" " + c, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+            rows.append((a + b, [-100] * len(a) + b))
+        width = max(len(r[0]) for r in rows)
+        ids = torch.tensor([r[0] + [tok.eos_token_id] * (width - len(r[0])) for r in rows])
+        labels = torch.tensor([r[1] + [-100] * (width - len(r[1])) for r in rows])
+        mask = torch.tensor([[1] * len(r[0]) + [0] * (width - len(r[0])) for r in rows])
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        if step % 100 == 0 or step == steps - 1:
+            print(f"pretrain step {step}: loss {loss.item():.4f}")
+    model = model.to(torch.bfloat16)
+    model.save_pretrained(out, safe_serialization=True)
+    GenerationConfig(bos_token_id=1, eos_token_id=2, do_sample=False, max_new_tokens=64).save_pretrained(out)
+
+
+def build(root: Path) -> None:
+    items = make_data(root / "data")
+    texts = [f"[INST] {p} [/INST] {c}" for p, c in items] + ["<<SYS>> You are a helpful assistant. <</SYS>>"]
+    texts += ["[INST] Repeat: " + " ".join(FRENCH) + " [/INST]", "[INST] Repeat: " + " ".join(ENGLISH) + " [/INST]"]
+    model_dir = root / "tiny-llama"
+    model_dir.mkdir(parents=True, exist_ok=True)
+    make_tokenizer(model_dir, texts)
+    make_model(model_dir)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--check", action="store_true", help="rebuild in a temp dir and compare with assets/")
+    args = ap.parse_args()
+    if not args.check:
+        build(REPO / "assets")
+        print(f"wrote {REPO / 'assets'}")
+        return 0
+    with tempfile.TemporaryDirectory() as tmp:
+        build(Path(tmp))
+        files = ["data/translate_train.jsonl", "data/translate_eval.jsonl", "tiny-llama/tokenizer.model",
+                 "tiny-llama/tokenizer_config.json", "tiny-llama/config.json", "tiny-llama/model.safetensors"]
+        differ = [f for f in files if not filecmp.cmp(Path(tmp) / f, REPO / "assets" / f, shallow=False)]
+    print("identical" if not differ else f"differ: {differ}")
+    return 1 if differ else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,261 @@
+"""The one run-config schema: every YAML file under configs/ is an instance of `RunConfig`.
+
+Sections passed straight to a library keep that library's field names, so users can copy
+what they know: `lora` is peft's `LoraConfig`, `quantization` is transformers'
+`BitsAndBytesConfig`, `training` is a subset of `TrainingArguments`.
+
+Loading is strict: an unknown key, a wrong type or a missing input stops the run before
+anything expensive, with every problem listed at once and, for a misspelt key, the
+nearest valid one.
+
+    cfg = load_config("configs/default.yaml", overrides=["training.max_steps=20"])
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+QUANT_FTYPES = {"Q4_K_M": 15, "Q5_K_S": 16, "Q5_K_M": 17, "Q6_K": 18, "Q8_0": 7, "Q4_K_S": 14}
+
+
+class ConfigError(ValueError):
+    """A config that cannot run; the message lists every problem and its fix."""
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+
+class ModelSection(Section):
+    name_or_path: str = Field(
+        description="Base model: a local directory with config.json and safetensors weights, or a "
+        "Hugging Face id already in the local HF cache (nothing is downloaded at run time)."
+    )
+    torch_dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
+        "auto", description="Compute/storage dtype of the frozen base. auto: bfloat16 on a CUDA GPU "
+        "that supports it, float32 on CPU (CPU bf16 matmuls are slow)."
+    )
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = Field(
+        "sdpa", description="Attention kernel. sdpa picks flash/memory-efficient kernels on GPU; eager "
+        "materialises the seq x seq matrix (quadratic memory)."
+    )
+    trust_remote_code: bool = Field(
+        False, description="Run Python code shipped with the model. Off: a model repo is data, not code."
+    )
+
+
+class DataSection(Section):
+    train_file: Path = Field(description="JSONL; each line has `messages` (chat) or `prompt`/`completion`.")
+    eval_file: Path | None = Field(
+        None, description="Held-out JSONL, same format. Used by the smoke test and the fidelity checks."
+    )
+    max_length: int = Field(1024, gt=0, description="Token limit per sample after the chat template.")
+    long_sample_policy: Literal["error", "truncate", "drop"] = Field(
+        "error", description="What to do with a sample longer than max_length: stop with its id "
+        "(error), cut it (truncate), or leave it out (drop). Every affected id is reported."
+    )
+
+
+class LoraSection(Section):
+    """peft.LoraConfig fields, passed through unchanged."""
+
+    r: int = Field(16, gt=0, description="Rank; higher adds capacity and memory.")
+    lora_alpha: float = Field(32, gt=0, description="Scale = lora_alpha / r.")
+    lora_dropout: float = Field(0.05, ge=0, lt=1)
+    target_modules: list[str] | Literal["all-linear"] = Field(
+        "all-linear", description="Module names to adapt, e.g. [q_proj, v_proj, o_proj], or all-linear."
+    )
+    bias: Literal["none", "all", "lora_only"] = "none"
+
+
+class QuantizationSection(Section):
+    """transformers.BitsAndBytesConfig fields. load_in_4bit: true makes the run QLoRA."""
+
+    load_in_4bit: bool = Field(False, description="QLoRA: keep the frozen base in 4 bits (bitsandbytes).")
+    bnb_4bit_quant_type: Literal["nf4", "fp4"] = "nf4"
+    bnb_4bit_use_double_quant: bool = Field(True, description="Quantise the quantisation constants (~0.4 bit/param saved).")
+    bnb_4bit_compute_dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
+        "auto", description="auto follows model.torch_dtype."
+    )
+
+
+class TrainingSection(Section):
+    """A subset of transformers.TrainingArguments, same names and meaning."""
+
+    per_device_train_batch_size: int = Field(8, gt=0, description="Micro-batch; memory grows with it.")
+    gradient_accumulation_steps: int = Field(1, gt=0, description="Effective batch = micro-batch x this.")
+    learning_rate: float = Field(2e-4, gt=0)
+    lr_scheduler_type: Literal["linear", "cosine", "constant", "constant_with_warmup"] = "linear"
+    warmup_steps: int = Field(0, ge=0)
+    weight_decay: float = Field(0.0, ge=0)
+    max_grad_norm: float = Field(1.0, ge=0)
+    max_steps: int = Field(100, gt=0, description="Optimizer steps.")
+    gradient_checkpointing: bool = Field(True, description="Recompute activations in backward; saves memory, costs ~1/3 more compute.")
+    optim: Literal["adamw_torch", "adamw_torch_fused", "paged_adamw_8bit", "adamw_8bit", "sgd"] = "adamw_torch"
+    train_sampling_strategy: Literal["random", "group_by_length", "sequential"] = Field(
+        "random", description="group_by_length batches samples of similar length so padding is not paid for; "
+        "on data with few distinct lengths its same-length batches can stall convergence (measured on the default)."
+    )
+    logging_steps: int = Field(10, gt=0)
+    save_steps: int = Field(50, gt=0, description="Checkpoint every N steps; a crash loses at most N steps.")
+    save_total_limit: int = Field(2, gt=0)
+    seed: int = 0
+
+
+class PreflightSection(Section):
+    enabled: bool = True
+    gpu_memory_gib: float | None = Field(
+        None, gt=0, description="Memory budget of the training card. null: the device's total on GPU; "
+        "on CPU the check uses the machine's available RAM."
+    )
+    margin: float = Field(0.10, ge=0, lt=1, description="Fraction of the budget kept free (allocator, other processes).")
+
+
+class ExportSection(Section):
+    outtype: Literal["f16", "bf16", "f32", "auto"] = Field(
+        "f16", description="Precision of the unquantised GGUF the quantised files are made from."
+    )
+    quant_types: list[str] = Field(["Q4_K_M", "Q5_K_S"], min_length=1, description=f"Any of {sorted(QUANT_FTYPES)}.")
+
+    @model_validator(mode="after")
+    def _known_quants(self) -> ExportSection:
+        bad = [q for q in self.quant_types if q not in QUANT_FTYPES]
+        if bad:
+            raise ValueError(f"unknown quant type(s) {bad}; choose from {sorted(QUANT_FTYPES)}")
+        return self
+
+
+class SmokeSection(Section):
+    gpu_memory_gib: float | None = Field(
+        None, gt=0, description="Memory of the smaller serving card (e.g. 8, 12, 16, 24). null: CPU only."
+    )
+    n_ctx: int = Field(512, gt=0, description="Context the serving team will run with (sizes the KV cache).")
+    max_tokens: int = Field(64, gt=0, description="Generation limit per prompt; a model that never stops fails.")
+    max_prompts: int = Field(50, gt=0, description="Held-out prompts run per GGUF file.")
+    check: Literal["exact", "stops"] = Field(
+        "exact", description="exact: the answer must equal the held-out completion (a deterministic skill); "
+        "stops: non-empty and ends with EOS within max_tokens (real models)."
+    )
+    min_accuracy: float = Field(0.8, ge=0, le=1, description="Fraction of prompts that must pass, per GGUF.")
+
+
+class HandoffSection(Section):
+    dir: Path = Field(Path("artifacts/handoff"), description="Bundles go to <dir>/<model_name>/<version>/.")
+    model_name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", description="Name the serving team knows the model by.")
+
+
+class RunConfig(Section):
+    model: ModelSection
+    data: DataSection
+    lora: LoraSection = LoraSection()
+    quantization: QuantizationSection = QuantizationSection()
+    training: TrainingSection = TrainingSection()
+    preflight: PreflightSection = PreflightSection()
+    export: ExportSection = ExportSection()
+    smoke: SmokeSection = SmokeSection()
+    handoff: HandoffSection
+    artifacts_dir: Path = Field(Path("artifacts"), description="Run outputs go to <artifacts_dir>/runs/<run-id>/<stage>/.")
+
+    def fingerprint(self) -> str:
+        """Short hash of the resolved config: two runs with the same config share it."""
+        return hashlib.sha256(self.model_dump_json().encode()).hexdigest()[:12]
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(json.loads(self.model_dump_json()), sort_keys=False)
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConfig:
+    """Read a YAML run config, apply `section.key=value` overrides, validate everything.
+
+    Args:
+        path: the YAML file.
+        overrides: dotted assignments, values parsed as YAML (`training.max_steps=20`).
+
+    Raises:
+        ConfigError: listing every problem at once, each with the fix.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path.resolve()} does not exist; pass --config with a file from configs/")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(raw).__name__}")
+    for item in overrides or []:
+        _apply_override(raw, item)
+    try:
+        cfg = RunConfig.model_validate(raw)
+    except ValidationError as e:
+        raise ConfigError(_explain(path, e)) from None
+    problems = _check_inputs(cfg)
+    if problems:
+        raise ConfigError(f"{path}: config cannot run:\n" + "\n".join(f"  - {p}" for p in problems))
+    return cfg
+
+
+def _apply_override(raw: dict[str, Any], item: str) -> None:
+    key, sep, value = item.partition("=")
+    if not sep or not key:
+        raise ConfigError(f"override '{item}' must look like section.key=value, e.g. training.max_steps=20")
+    node = raw
+    *parents, leaf = key.strip().split(".")
+    for part in parents:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override '{item}': '{part}' is not a section")
+    node[leaf] = yaml.safe_load(value)
+
+
+def _explain(path: Path, err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"])
+        if e["type"] == "extra_forbidden":
+            parent = _section_at(e["loc"][:-1])
+            valid = list(parent.model_fields) if parent else []
+            near = difflib.get_close_matches(str(e["loc"][-1]), valid, n=1, cutoff=0.5)
+            hint = f"did you mean `{near[0]}`?" if near else f"valid keys here: {', '.join(valid)}"
+            lines.append(f"{loc}: unknown key; {hint}")
+        elif e["type"] == "missing":
+            lines.append(f"{loc}: required, but missing; add it to the YAML")
+        else:
+            lines.append(f"{loc}: {e['msg']} (got {e.get('input')!r})")
+    return f"{path}: config is not well-formed, found the following errors:\n" + "\n".join(f"  - {x}" for x in lines)
+
+
+def _section_at(loc: tuple) -> type[BaseModel] | None:
+    model: type[BaseModel] = RunConfig
+    for part in loc:
+        field = model.model_fields.get(str(part))
+        ann = getattr(field, "annotation", None)
+        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+            return None
+        model = ann
+    return model
+
+
+def _check_inputs(cfg: RunConfig) -> list[str]:
+    """Inputs that must exist before anything runs."""
+    from stages.modelio import resolve_model_dir
+
+    problems = []
+    try:
+        resolve_model_dir(cfg.model.name_or_path)
+    except FileNotFoundError as e:
+        problems.append(f"model.name_or_path: {e}")
+    for key in ("train_file", "eval_file"):
+        f = getattr(cfg.data, key)
+        if f is not None and not f.is_file():
+            problems.append(f"data.{key}: {f.resolve()} does not exist; point it at a JSONL file")
+    if cfg.smoke.check == "exact" and cfg.data.eval_file is None:
+        problems.append("smoke.check is `exact` but data.eval_file is not set; add held-out samples or use smoke.check: stops")
+    return problems

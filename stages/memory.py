@@ -1,0 +1,184 @@
+"""Memory measurement: the one helper every stage, the training callback and bench/ use.
+
+`stats()` returns numbers (GiB, unit in the key); `track(stage_dir)` resets the peaks at a
+stage boundary, and on exit writes `<stage_dir>/memory.json` covering that stage alone.
+
+On CPU the figure is the process's peak resident set (VmHWM), reset per stage through
+/proc/self/clear_refs, labelled `peak_rss_gib`; child processes (the GGUF converter) are
+measured exactly with wait4 and added as `child_peak_rss_gib`. On CUDA: torch's peak
+allocated / reserved / active and NVML's device-wide used memory, which also counts
+llama.cpp and other processes that torch cannot see.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import subprocess
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+GIB = 1024**3
+
+
+@dataclass
+class MemoryReport:
+    stage: str
+    device: str                       # "cpu" or the CUDA device name
+    wall_s: float
+    peak_rss_gib: float               # this process, this stage
+    child_peak_rss_gib: float | None  # largest child process of this stage (converter), if any
+    peak_alloc_gib: float | None = None     # torch, CUDA only
+    peak_reserved_gib: float | None = None
+    peak_active_gib: float | None = None
+    nvml_used_gib: float | None = None      # whole device, at the end of the stage
+    device_total_gib: float | None = None
+    extra: dict = field(default_factory=dict)  # stage-specific figures (e.g. llama.cpp's device use)
+
+    @property
+    def peak_gib(self) -> float:
+        """The headline number: peak reserved on GPU, else the larger of own and child peak RSS."""
+        if self.peak_reserved_gib is not None:
+            return self.peak_reserved_gib
+        return max(self.peak_rss_gib, self.child_peak_rss_gib or 0.0)
+
+    def to_json(self) -> dict:
+        return asdict(self) | {"peak_gib": round(self.peak_gib, 4)}
+
+
+def _read_status_kib(key: str) -> int | None:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def _reset_peak_rss() -> None:
+    # Writing 5 resets VmHWM to the current RSS (Linux >= 4.0); elsewhere the peak stays
+    # process-wide, which over- rather than under-states a stage.
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
+
+
+def peak_rss_gib() -> float:
+    kib = _read_status_kib("VmHWM")
+    if kib is None:
+        kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return kib * 1024 / GIB
+
+
+def _cuda():
+    try:
+        import torch
+    except ImportError:
+        return None
+    return torch if torch.cuda.is_available() else None
+
+
+def nvml_used_gib(index: int = 0) -> tuple[float, float] | None:
+    """(used, total) GiB of the whole device from NVML, or None without a GPU/driver."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            info = pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(index))
+            return info.used / GIB, info.total / GIB
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:
+        return None
+
+
+def stats() -> dict[str, float]:
+    """Current and peak figures right now; cheap enough for every logging step."""
+    out = {"rss_gib": (_read_status_kib("VmRSS") or 0) * 1024 / GIB, "peak_rss_gib": peak_rss_gib()}
+    torch = _cuda()
+    if torch is not None:
+        s = torch.cuda.memory_stats()
+        out |= {
+            "alloc_gib": s.get("allocated_bytes.all.current", 0) / GIB,
+            "reserved_gib": s.get("reserved_bytes.all.current", 0) / GIB,
+            "active_gib": s.get("active_bytes.all.current", 0) / GIB,
+            "peak_alloc_gib": s.get("allocated_bytes.all.peak", 0) / GIB,
+            "peak_reserved_gib": s.get("reserved_bytes.all.peak", 0) / GIB,
+            "peak_active_gib": s.get("active_bytes.all.peak", 0) / GIB,
+        }
+        nv = nvml_used_gib(torch.cuda.current_device())
+        if nv:
+            out["nvml_used_gib"] = nv[0]
+    return out
+
+
+class track:
+    """Measure one stage; writes <stage_dir>/memory.json on exit, success or failure.
+
+        with memory.track("export", out_dir) as meter:
+            meter.run([sys.executable, "convert_hf_to_gguf.py", ...])   # child peak RSS too
+            meter.extra["gguf_mib"] = 12.5
+        meter.report.peak_gib
+    """
+
+    def __init__(self, stage: str, stage_dir: Path) -> None:
+        self.stage, self.stage_dir = stage, Path(stage_dir)
+        self.child_peak_gib: float | None = None
+        self.extra: dict = {}
+        self.report: MemoryReport | None = None
+
+    def __enter__(self) -> track:
+        self._torch = _cuda()
+        _reset_peak_rss()
+        if self._torch is not None:
+            self._torch.cuda.synchronize()
+            self._torch.cuda.reset_peak_memory_stats()
+        self._t0 = time.perf_counter()
+        return self
+
+    def run(self, cmd: list[str], **kwargs) -> subprocess.CompletedProcess:
+        """subprocess.run(cmd) that also records the child's own peak RSS (wait4: exact, per child)."""
+        proc = subprocess.Popen(cmd, **kwargs)
+        try:
+            _, status, usage = os.wait4(proc.pid, 0)
+        except BaseException:
+            proc.kill()
+            proc.wait()
+            raise
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        self.child_peak_gib = max(self.child_peak_gib or 0.0, usage.ru_maxrss * 1024 / GIB)
+        return subprocess.CompletedProcess(cmd, proc.returncode)
+
+    def __exit__(self, *exc) -> None:
+        r = MemoryReport(
+            stage=self.stage,
+            device="cpu",
+            wall_s=round(time.perf_counter() - self._t0, 3),
+            peak_rss_gib=peak_rss_gib(),
+            child_peak_rss_gib=self.child_peak_gib,
+            extra=self.extra,
+        )
+        torch = self._torch
+        if torch is not None:
+            torch.cuda.synchronize()
+            s = stats()
+            r.device = torch.cuda.get_device_name()
+            r.peak_alloc_gib, r.peak_reserved_gib, r.peak_active_gib = (
+                s["peak_alloc_gib"], s["peak_reserved_gib"], s["peak_active_gib"])
+            nv = nvml_used_gib(torch.cuda.current_device())
+            if nv:
+                r.nvml_used_gib, r.device_total_gib = nv
+        self.report = r
+        self.stage_dir.mkdir(parents=True, exist_ok=True)
+        (self.stage_dir / "memory.json").write_text(json.dumps(r.to_json(), indent=2))
+
+
+def format_row(r: MemoryReport) -> str:
+    gpu = f", peak reserved {r.peak_reserved_gib:.2f} GiB" if r.peak_reserved_gib is not None else ""
+    child = f", child {r.child_peak_rss_gib:.2f} GiB" if r.child_peak_rss_gib else ""
+    return f"{r.stage}: {r.wall_s:.1f} s, peak RSS {r.peak_rss_gib:.2f} GiB{child}{gpu}"

@@ -1,0 +1,99 @@
+"""Finding and loading the base model, the one way every stage does it.
+
+Only local files are read: a directory, or a model already in the Hugging Face cache.
+Weights load from safetensors only (a pickle can run code), and model code from the hub
+runs only when the config says `trust_remote_code: true`.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from stages.config import ModelSection, QuantizationSection
+
+
+def resolve_model_dir(name_or_path: str) -> Path:
+    """A local model directory for `name_or_path`, or FileNotFoundError saying how to get one."""
+    p = Path(name_or_path).expanduser()
+    if p.is_dir():
+        if not (p / "config.json").is_file():
+            raise FileNotFoundError(f"{p.resolve()} has no config.json; point it at a Hugging Face model directory")
+        if not any(p.glob("*.safetensors")):
+            raise FileNotFoundError(
+                f"{p.resolve()} has no *.safetensors weights (found: {sorted(x.name for x in p.iterdir())}); "
+                "only safetensors are loaded: convert the checkpoint with `save_pretrained(..., safe_serialization=True)`"
+            )
+        return p
+    if "/" in name_or_path and not p.exists():
+        from huggingface_hub import snapshot_download
+
+        try:
+            return Path(snapshot_download(name_or_path, local_files_only=True, allow_patterns=["*.json", "*.safetensors", "*.model", "*.jinja", "*.txt"]))
+        except Exception:
+            pass
+    raise FileNotFoundError(
+        f"'{name_or_path}' is neither a local directory nor a model in the HF cache "
+        f"({os.environ.get('HF_HUB_CACHE', '~/.cache/huggingface/hub')}); download it beforehand "
+        f"(`hf download {name_or_path}`) or set model.name_or_path to a local directory"
+    )
+
+
+def device() -> torch.device:
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def compute_dtype(choice: str) -> torch.dtype:
+    """auto: bf16 on a GPU that has it, fp32 on CPU (bf16 matmuls are emulated there and slow)."""
+    if choice != "auto":
+        return getattr(torch, choice)
+    if torch.cuda.is_available():
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.float32
+
+
+def load_tokenizer(model: ModelSection):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(resolve_model_dir(model.name_or_path), trust_remote_code=model.trust_remote_code)
+    if tok.pad_token is None:
+        # Padding positions are masked out of attention and loss, so reusing EOS is safe.
+        tok.pad_token = tok.eos_token
+    if not tok.chat_template:
+        raise ValueError(
+            f"the tokenizer of {model.name_or_path} has no chat template; add `chat_template` to its "
+            "tokenizer_config.json (the exported GGUF and the serving team need it)"
+        )
+    return tok
+
+
+def load_base(model: ModelSection, quant: QuantizationSection, *, quantized: bool | None = None):
+    """The frozen base, in train-ready form: 16-bit or (QLoRA) NF4, on the one device.
+
+    Args:
+        quantized: override `quant.load_in_4bit` (merge loads the unquantised base of a QLoRA run).
+    """
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    dtype = compute_dtype(model.torch_dtype)
+    kwargs = {}
+    if quant.load_in_4bit if quantized is None else quantized:
+        cdt = dtype if quant.bnb_4bit_compute_dtype == "auto" else getattr(torch, quant.bnb_4bit_compute_dtype)
+        kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type=quant.bnb_4bit_quant_type,
+            bnb_4bit_use_double_quant=quant.bnb_4bit_use_double_quant,
+            bnb_4bit_compute_dtype=cdt,
+        )
+    return AutoModelForCausalLM.from_pretrained(
+        resolve_model_dir(model.name_or_path),
+        dtype=dtype,
+        attn_implementation=model.attn_implementation,
+        trust_remote_code=model.trust_remote_code,
+        use_safetensors=True,
+        # One device, never "auto": a silent CPU offload turns an OOM into a 50x slowdown.
+        device_map={"": str(device())},
+        **kwargs,
+    )
