@@ -1,0 +1,84 @@
+"""The llama.cpp toolchain: the official converter, quantization and reading GGUF files.
+
+The converter (convert_hf_to_gguf.py with its conversion/ and gguf-py/) is extracted by
+scripts/install.sh from the same llama-cpp-python sdist that built the runtime, into
+$TAE_CACHE_DIR/llama-cpp-converter-<version>. A converter from another llama.cpp version
+can write metadata the runtime misreads, so the versions must match exactly.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from collections import Counter
+from pathlib import Path
+
+CACHE = Path(os.environ.get("TAE_CACHE_DIR", Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "train-and-export"))
+MAX_METADATA_STRING = 1 << 20  # a chat template or any string over 1 MiB in GGUF metadata is refused
+
+
+def runtime_version() -> str:
+    import llama_cpp
+
+    return llama_cpp.__version__
+
+
+def converter_dir() -> Path:
+    """The converter matching the installed llama-cpp-python, or a clear error how to get it."""
+    version = runtime_version()
+    d = Path(os.environ.get("TAE_CONVERTER_DIR", CACHE / f"llama-cpp-converter-{version}"))
+    script = d / "convert_hf_to_gguf.py"
+    if not script.is_file():
+        raise FileNotFoundError(f"GGUF converter not found at {script}; run `bash scripts/install.sh` (it extracts it from the llama-cpp-python {version} sdist)")
+    found = (d / "VERSION").read_text().strip() if (d / "VERSION").is_file() else "unknown"
+    if found != version:
+        raise RuntimeError(
+            f"the converter in {d} comes from llama-cpp-python {found}, but {version} is installed; "
+            "re-run `bash scripts/install.sh` so both come from the same sdist"
+        )
+    return d
+
+
+def quantize(src: Path, dst: Path, ftype: int, nthread: int = 0) -> None:
+    """llama.cpp's own quantizer, in-process (llama_model_quantize)."""
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = ftype
+    params.nthread = nthread or (os.cpu_count() or 1)
+    rc = llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params))
+    if rc != 0 or not dst.is_file():
+        raise RuntimeError(f"llama_model_quantize({src.name} -> {dst.name}, ftype {ftype}) failed with code {rc}")
+
+
+def read_gguf(path: Path) -> dict:
+    """Metadata and tensor types of a GGUF file, through gguf-py's reader.
+
+    Returns: {"fields": {key: value}, "tensor_types": {name: type}, "tensor_bytes": {name: n},
+    "tensor_shapes": {name: [..]}}. Absurdly large string metadata is refused.
+    """
+    from gguf import GGUFReader, GGUFValueType
+
+    reader = GGUFReader(str(path))
+    fields = {}
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        if field.types and field.types[0] == GGUFValueType.ARRAY:
+            # Vocabularies are arrays of 100k+ entries: keep only their length.
+            fields[key] = {"array_len": len(field.data)}
+            continue
+        value = field.contents()
+        if isinstance(value, str) and len(value) > MAX_METADATA_STRING:
+            raise ValueError(f"{path.name}: metadata {key} is {len(value)} characters long; refusing a file this odd")
+        fields[key] = value
+    return {
+        "fields": fields,
+        "tensor_types": {t.name: t.tensor_type.name for t in reader.tensors},
+        "tensor_bytes": {t.name: int(t.n_bytes) for t in reader.tensors},
+        "tensor_shapes": {t.name: [int(x) for x in t.shape] for t in reader.tensors},
+    }
+
+
+def type_counts(info: dict) -> dict[str, int]:
+    return dict(Counter(info["tensor_types"].values()).most_common())

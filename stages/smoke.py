@@ -1,0 +1,189 @@
+"""Run each exported GGUF under llama.cpp the way the serving team will, and check it.
+
+    python -m stages.smoke --config configs/default.yaml --gguf model-Q4_K_M.gguf [--gguf ...] --out DIR
+
+For each file: plan how many layers fit on the smaller serving card
+(`smoke.gpu_memory_gib`: GGUF weights per layer + the f16 KV cache for `smoke.n_ctx` +
+llama.cpp's compute buffer, with a margin), load it with llama-cpp-python, answer the
+held-out prompts greedily through the GGUF's own chat template, and measure prompt and
+generation speed and memory (NVML on a GPU, RSS otherwise).
+
+`smoke.check: exact` requires the answer to equal the held-out completion: for the
+default's deterministic skill that proves the fine-tune reached the quantized file.
+`stops` (for real models) requires a non-empty answer that ends at EOS within
+`smoke.max_tokens`. A file whose pass rate is below `smoke.min_accuracy` fails the stage,
+so nothing is handed off.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from stages import data, llamacpp, memory
+from stages.config import RunConfig, SmokeSection, load_config
+from stages.memory import GIB, MemoryReport
+
+COMPUTE_BUFFER_GIB = 0.35   # llama.cpp's scratch for a batch of 512 on a 7B; small models use less
+MARGIN = 0.10               # of the card, kept free for the driver and fragmentation
+
+
+class SmokeError(RuntimeError):
+    """A GGUF file failed the smoke test."""
+
+
+@dataclass
+class OffloadPlan:
+    n_gpu_layers: int
+    n_layers: int
+    layer_gib: float        # mean GGUF bytes per repeating layer
+    other_gib: float        # embeddings, output head, norms
+    kv_cache_gib: float     # f16 K and V for n_ctx
+    budget_gib: float | None
+    reason: str
+
+
+@dataclass
+class SmokeFile:
+    quant: str
+    path: Path
+    plan: OffloadPlan
+    n_prompts: int
+    passed: int
+    accuracy: float
+    stopped_at_eos: int
+    prompt_tokens_per_s: float
+    gen_tokens_per_s: float
+    load_s: float
+    device_used_gib: float | None   # NVML, after load and generation, whole device
+    examples: list[dict]            # a few prompts with expected and actual answers
+
+
+@dataclass
+class SmokeResult:
+    files: list[SmokeFile]
+    memory: MemoryReport | None
+    passed: bool
+
+
+def run(cfg: RunConfig, gguf_files: list[tuple[str, Path]], out_dir: Path) -> SmokeResult:
+    """Smoke-test each (quant, path) GGUF; raise SmokeError naming every file that failed."""
+    out_dir = Path(out_dir)
+    prompts = load_prompts(cfg)
+    results = []
+    with memory.track("smoke", out_dir) as meter:
+        for quant, path in gguf_files:
+            results.append(smoke_file(cfg.smoke, quant, Path(path), prompts))
+            r = results[-1]
+            print(f"smoke: {quant} {r.passed}/{r.n_prompts} passed ({r.accuracy:.0%}), "
+                  f"{r.gen_tokens_per_s:.0f} gen tok/s, n_gpu_layers={r.plan.n_gpu_layers}/{r.plan.n_layers}")
+        meter.extra["files"] = {r.quant: {"accuracy": r.accuracy, "device_used_gib": r.device_used_gib} for r in results}
+    failed = [r for r in results if r.accuracy < cfg.smoke.min_accuracy]
+
+    def first_miss(r: SmokeFile) -> dict:
+        return next((e for e in r.examples if not e["ok"]), r.examples[0])
+
+    result = SmokeResult(results, meter.report, passed=not failed)
+    (out_dir / "smoke_result.json").write_text(json.dumps(_jsonable(result), indent=2))
+    if failed:
+        raise SmokeError("; ".join(
+            f"{r.path.name}: {r.passed}/{r.n_prompts} prompts passed ({r.accuracy:.0%} < smoke.min_accuracy "
+            f"{cfg.smoke.min_accuracy:.0%}), e.g. expected {first_miss(r)['expected']!r}, got {first_miss(r)['got']!r}"
+            for r in failed) + f"; details in {out_dir / 'smoke_result.json'}")
+    return result
+
+
+def load_prompts(cfg: RunConfig) -> list[data.Sample]:
+    source = cfg.data.eval_file or cfg.data.train_file
+    return data.read_jsonl(source)[: cfg.smoke.max_prompts]
+
+
+def plan_offload(info: dict, n_ctx: int, gpu_memory_gib: float | None, gpu_offload: bool) -> OffloadPlan:
+    """How many repeating layers fit on the serving card, from the GGUF's own tensor sizes."""
+    f = info["fields"]
+    arch = f["general.architecture"]
+    n_layers = int(f[f"{arch}.block_count"])
+    n_embd = int(f[f"{arch}.embedding_length"])
+    n_head = int(f[f"{arch}.attention.head_count"])
+    n_kv = int(f.get(f"{arch}.attention.head_count_kv", n_head))
+    head_dim = int(f.get(f"{arch}.attention.key_length", n_embd // n_head))
+    layer_bytes = sum(b for n, b in info["tensor_bytes"].items() if re.match(r"blk\.\d+\.", n))
+    other = sum(info["tensor_bytes"].values()) - layer_bytes
+    kv_layer = 2 * n_ctx * n_kv * head_dim * 2  # K and V, f16
+    layer_gib, kv_gib = layer_bytes / n_layers / GIB, kv_layer * n_layers / GIB
+    plan = OffloadPlan(0, n_layers, round(layer_gib, 6), round(other / GIB, 6), round(kv_gib, 6), gpu_memory_gib, "")
+    if gpu_memory_gib is None:
+        plan.reason = "smoke.gpu_memory_gib is null: CPU only"
+        return plan
+    if not gpu_offload:
+        plan.reason = "this llama-cpp-python build has no GPU offload (CPU build): CPU only"
+        return plan
+    usable = gpu_memory_gib * (1 - MARGIN) - COMPUTE_BUFFER_GIB - other / GIB
+    per_layer = layer_gib + kv_layer / GIB
+    plan.n_gpu_layers = max(0, min(n_layers, int(usable // per_layer))) if per_layer > 0 else n_layers
+    plan.reason = (f"{usable:.2f} GiB usable after margin, compute buffer and non-layer tensors; "
+                   f"{per_layer:.3f} GiB per layer incl. KV cache")
+    return plan
+
+
+def smoke_file(s: SmokeSection, quant: str, path: Path, prompts: list[data.Sample]) -> SmokeFile:
+    import llama_cpp
+
+    info = llamacpp.read_gguf(path)
+    plan = plan_offload(info, s.n_ctx, s.gpu_memory_gib, llama_cpp.llama_supports_gpu_offload())
+    t0 = time.perf_counter()
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=s.n_ctx, n_gpu_layers=plan.n_gpu_layers, seed=0, verbose=False)
+    load_s = time.perf_counter() - t0
+    passed = stopped = 0
+    examples = []
+    p_tok = p_ms = g_tok = g_ms = 0.0
+    try:
+        for sample in prompts:
+            llama_cpp.llama_perf_context_reset(llm.ctx)
+            out = llm.create_chat_completion(messages=sample.prompt_messages, temperature=0.0, max_tokens=s.max_tokens, seed=0)
+            perf = llama_cpp.llama_perf_context(llm.ctx)
+            p_tok, p_ms, g_tok, g_ms = p_tok + perf.n_p_eval, p_ms + perf.t_p_eval_ms, g_tok + perf.n_eval, g_ms + perf.t_eval_ms
+            choice = out["choices"][0]
+            got = (choice["message"]["content"] or "").strip()
+            ends = choice["finish_reason"] == "stop"
+            ok = got == sample.answer.strip() if s.check == "exact" else (bool(got) and ends)
+            passed += ok
+            stopped += ends
+            if len(examples) < 5 or (not ok and len(examples) < 10):
+                examples.append({"id": sample.id, "expected": sample.answer, "got": got, "finish_reason": choice["finish_reason"], "ok": ok})
+        used = memory.nvml_used_gib()
+    finally:
+        llm.close()
+    n = len(prompts)
+    return SmokeFile(
+        quant=quant, path=path, plan=plan, n_prompts=n, passed=passed, accuracy=passed / n if n else 0.0,
+        stopped_at_eos=stopped,
+        prompt_tokens_per_s=round(p_tok / (p_ms / 1000), 1) if p_ms else 0.0,
+        gen_tokens_per_s=round(g_tok / (g_ms / 1000), 1) if g_ms else 0.0,
+        load_s=round(load_s, 3), device_used_gib=used[0] if used else None, examples=examples,
+    )
+
+
+def _jsonable(r: SmokeResult) -> dict:
+    d = asdict(r)
+    d["memory"] = r.memory.to_json() if r.memory else None
+    return json.loads(json.dumps(d, default=str))
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description="Smoke-test GGUF files under llama.cpp (a stage of train-and-export).")
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--gguf", type=Path, action="append", required=True, help="a GGUF file; repeat for several")
+    ap.add_argument("--out", type=Path, required=True)
+    a = ap.parse_args(argv)
+    files = [(p.stem.removeprefix("model-"), p) for p in a.gguf]
+    for f in run(load_config(a.config), files, a.out).files:
+        print(f"{f.path.name}: {f.passed}/{f.n_prompts} passed, {f.gen_tokens_per_s} gen tok/s")
+
+
+if __name__ == "__main__":
+    main()
