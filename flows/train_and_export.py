@@ -1,0 +1,132 @@
+"""The `train-and-export` Prefect flow: preflight -> train -> merge -> export -> smoke -> handoff.
+
+    python -m flows.train_and_export --config configs/default.yaml [--set training.max_steps=50]
+
+Each stage is a plain function in stages/, wrapped here as a task; each task publishes
+its memory as a table artifact (`memory-<stage>`), and the run ends with a markdown
+summary (`run-summary`). Without PREFECT_API_URL, Prefect starts a temporary local API
+for the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from prefect import flow, task
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
+from prefect.cache_policies import NO_CACHE
+from prefect.runtime import flow_run
+
+from stages import data, export, handoff, merge, preflight, smoke, train
+from stages.config import ConfigError, load_config
+from stages.memory import MemoryReport
+from stages.paths import RunPaths
+
+
+# Problems in the user's inputs: one message, no traceback.
+USER_ERRORS = (ConfigError, data.DataError, preflight.PreflightError, smoke.SmokeError, FileNotFoundError)
+
+
+def publish_memory(stage: str, report: MemoryReport | None) -> None:
+    if report is None:  # the stage was skipped: its output was already there
+        return
+    row = {k: v for k, v in report.to_json().items() if k not in ("extra", "stage")}
+    create_table_artifact([row], key=f"memory-{stage}", description=f"Memory of the {stage} stage (GiB; peak_gib is the headline)")
+
+
+def stage(name: str, fn):
+    """A task that runs one stage function and publishes its memory artifact."""
+
+    def body(*args, **kwargs):
+        result = fn(*args, **kwargs)
+        publish_memory(name, result.memory)
+        return result
+
+    # Retries would repeat an OOM or a config error identically: none for these stages.
+    return task(name=name, cache_policy=NO_CACHE, retries=0)(body)
+
+
+preflight_task = stage("preflight", preflight.run)
+train_task = stage("train", train.run)
+merge_task = stage("merge", merge.run)
+export_task = stage("export", export.run)
+smoke_task = stage("smoke", smoke.run)
+handoff_task = stage("handoff", handoff.run)
+
+
+@flow(name="train-and-export", log_prints=True)
+def train_and_export(config: str = "configs/default.yaml", overrides: list[str] | None = None, run_id: str | None = None) -> dict:
+    """Fine-tune, merge, export GGUF, smoke-test and hand off, as configured in `config`."""
+    cfg = load_config(config, overrides)
+    paths = RunPaths.for_run(cfg, run_id)
+    fingerprint = data.fingerprint([cfg.data.train_file, cfg.data.eval_file])
+    print(f"run {paths.run_id}: {paths.root}  data {fingerprint[:12]}")
+
+    # 1. Will the worst micro-batch fit? Stops the run before any training if not.
+    pre = preflight_task(cfg, paths.stage("preflight"))
+    create_markdown_artifact(pre.report_md.read_text(), key="preflight-report", description="Preflight memory estimate")
+    # 2. LoRA / QLoRA adapter, resumable from checkpoints.
+    tr = train_task(cfg, paths.stage("train"))
+    # 3. Adapter merged into the 16-bit base.
+    mg = merge_task(cfg, tr.adapter_dir, paths.stage("merge"))
+    # 4. GGUF f16 -> Q4_K_M, Q5_K_S, each verified.
+    ex = export_task(cfg, mg.merged_dir, paths.stage("export"))
+    quants = [(f.quant, f.path) for f in ex.files]
+    # 5. Every GGUF under llama.cpp, within the serving card's budget.
+    sm = smoke_task(cfg, quants, paths.stage("smoke"))
+    create_table_artifact(
+        [{"quant": f.quant, "accuracy": f.accuracy, "passed": f.passed, "prompts": f.n_prompts, "gen_tok_s": f.gen_tokens_per_s,
+          "n_gpu_layers": f.plan.n_gpu_layers} for f in sm.files], key="smoke-results", description="llama.cpp smoke test per GGUF")
+    # 6. Atomic publish of the bundle.
+    reports = {"preflight": pre.memory, "train": tr.memory, "merge": mg.memory, "export": ex.memory, "smoke": sm.memory}
+    ho = handoff_task(
+        cfg, paths.run_id, quants, paths.stage("handoff"),
+        adapter_dir=tr.adapter_dir, data_fingerprint=fingerprint,
+        smoke={f.quant: {"accuracy": f.accuracy, "passed": f.passed, "n_prompts": f.n_prompts, "gen_tokens_per_s": f.gen_tokens_per_s,
+                         "n_gpu_layers": f.plan.n_gpu_layers} for f in sm.files},
+        memory=reports, extra={"prefect_flow_run_id": str(flow_run.id) if flow_run.id else None, "train": {
+            "steps": tr.steps, "first_loss": tr.first_loss, "final_loss": tr.final_loss}},
+    )
+    reports["handoff"] = ho.memory
+    summary = summarize(paths, reports, ho, tr, sm)
+    create_markdown_artifact(summary, key="run-summary", description=f"train-and-export run {paths.run_id}")
+    print(summary)
+    return {"run_id": paths.run_id, "run_dir": str(paths.root), "bundle": str(ho.bundle_dir),
+            "final_loss": tr.final_loss, "smoke": {f.quant: f.accuracy for f in sm.files}}
+
+
+def summarize(paths: RunPaths, reports: dict, ho, tr, sm) -> str:
+    rows = ["| stage | wall s | peak GiB | where |", "|---|---|---|---|"]
+    for name, r in reports.items():
+        wall, peak = ("skipped", "-") if r is None else (f"{r.wall_s:.1f}", f"{r.peak_gib:.2f}")
+        rows.append(f"| {name} | {wall} | {peak} | {paths.stage(name)} |")
+    accuracy = ", ".join(f"{f.quant} {f.accuracy:.0%}" for f in sm.files)
+    return "\n".join([
+        f"### train-and-export run {paths.run_id}",
+        "",
+        *rows,
+        "",
+        f"Loss {tr.first_loss:.3f} -> {tr.final_loss:.3f} over {tr.steps} steps. Smoke: {accuracy}.",
+        f"Bundle: `{ho.bundle_dir}` (verify: `cd {ho.bundle_dir} && sha256sum -c SHA256SUMS`)",
+    ])
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="Run the train-and-export pipeline once, locally.")
+    ap.add_argument("--config", default="configs/default.yaml")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override, e.g. training.max_steps=50")
+    ap.add_argument("--run-id", help="name of the run directory (default: a timestamp)")
+    a = ap.parse_args(argv)
+    try:
+        load_config(a.config, a.set)  # a bad config fails here, before Prefect starts a server
+        train_and_export(config=a.config, overrides=a.set, run_id=a.run_id)
+    except USER_ERRORS as e:
+        print(f"\ntrain-and-export stopped: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

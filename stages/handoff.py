@@ -1,0 +1,158 @@
+"""Publish the bundle the serving team picks up: GGUFs, checksums and a manifest.
+
+    artifacts/handoff/<model_name>/<version>/
+        model-Q4_K_M.gguf, model-Q5_K_S.gguf
+        SHA256SUMS        `sha256sum -c SHA256SUMS` verifies the files
+        manifest.json     base model + hash, adapter hash, data fingerprint, config, quant
+                          types, smoke results, per-stage memory peaks, versions
+    artifacts/handoff/<model_name>/latest -> <version>
+
+Publishing is atomic: the bundle is built in a hidden temporary directory next to its
+final place and renamed into place, then `latest` is switched with a rename. A failure at
+any point leaves every published version, and `latest`, as they were. Versions are
+never overwritten.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+
+from stages.config import RunConfig
+from stages.memory import MemoryReport, track
+from stages.modelio import resolve_model_dir
+
+PACKAGES = ("torch", "transformers", "peft", "accelerate", "bitsandbytes", "llama_cpp_python", "gguf", "prefect")
+
+
+@dataclass
+class HandoffResult:
+    bundle_dir: Path
+    manifest: Path
+    version: str
+    files: list[str]
+    memory: MemoryReport | None
+
+
+def run(
+    cfg: RunConfig,
+    version: str,
+    gguf_files: list[tuple[str, Path]],
+    out_dir: Path,
+    *,
+    adapter_dir: Path,
+    data_fingerprint: str,
+    smoke: dict,
+    memory: dict[str, MemoryReport | None],
+    extra: dict | None = None,
+) -> HandoffResult:
+    """Publish <handoff.dir>/<model_name>/<version>/ atomically and point `latest` at it.
+
+    Args:
+        version: the bundle's name; the run id. An existing version is an error.
+        gguf_files: (quant type, path) of the files that passed export and smoke.
+        out_dir: the run's handoff stage directory (memory.json goes there).
+        smoke: per-file smoke figures, stored in the manifest.
+        memory: per-stage memory reports, stored in the manifest.
+        extra: anything else for the manifest (e.g. the Prefect flow-run id).
+    """
+    root = Path(cfg.handoff.dir) / cfg.handoff.model_name
+    final = root / version
+    if final.exists():
+        raise FileExistsError(f"bundle {final} already exists; versions are immutable, publish under a new run id")
+    root.mkdir(parents=True, exist_ok=True)
+    with track("handoff", out_dir) as meter:
+        tmp = Path(tempfile.mkdtemp(prefix=f".{version}.", dir=root))
+        try:
+            names = []
+            for _quant, src in gguf_files:
+                dst = tmp / Path(src).name
+                _link_or_copy(Path(src), dst)
+                names.append(dst.name)
+            sums = {n: sha256_file(tmp / n) for n in names}
+            (tmp / "SHA256SUMS").write_text("".join(f"{h}  {n}\n" for n, h in sums.items()))
+            manifest = _manifest(cfg, version, gguf_files, sums, adapter_dir, data_fingerprint, smoke, memory, extra or {})
+            (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2, default=str))
+            _fsync_dir(tmp)
+            os.rename(tmp, final)  # atomic on one filesystem; fails if `final` appeared meanwhile
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        _point_latest(root, version)
+    return HandoffResult(final, final / "manifest.json", version, names, meter.report)
+
+
+def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with Path(path).open("rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def sha256_dir(path: Path, pattern: str = "*.safetensors") -> str:
+    """One hash over the named files of a model/adapter directory (names and bytes)."""
+    h = hashlib.sha256()
+    for f in sorted(Path(path).glob(pattern)):
+        h.update(f.name.encode() + b"\0" + sha256_file(f).encode())
+    return h.hexdigest()
+
+
+def _manifest(cfg, version, gguf_files, sums, adapter_dir, data_fingerprint, smoke, memory, extra) -> dict:
+    base_dir = resolve_model_dir(cfg.model.name_or_path)
+    return {
+        "model_name": cfg.handoff.model_name,
+        "version": version,
+        "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "base_model": {"name_or_path": cfg.model.name_or_path, "sha256": sha256_dir(base_dir)},
+        "adapter": {"sha256": sha256_dir(adapter_dir), "method": "qlora" if cfg.quantization.load_in_4bit else "lora"},
+        "data_fingerprint": data_fingerprint,
+        "files": [
+            {"file": Path(p).name, "quant": q, "sha256": sums[Path(p).name], "bytes": Path(p).stat().st_size}
+            for q, p in gguf_files
+        ],
+        "smoke": smoke,
+        "memory_peaks": {k: (v.to_json() if v is not None else None) for k, v in memory.items()},
+        "versions": _versions(),
+        "config": json.loads(cfg.model_dump_json()),
+    } | extra
+
+
+def _versions() -> dict:
+    out = {"python": platform.python_version()}
+    for p in PACKAGES:
+        try:
+            out[p] = metadata.version(p)
+        except metadata.PackageNotFoundError:
+            out[p] = None
+    return out
+
+
+def _link_or_copy(src: Path, dst: Path) -> None:
+    # A hard link costs no space for multi-GB files; GGUFs are never modified in place.
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def _fsync_dir(d: Path) -> None:
+    for f in d.iterdir():
+        with f.open("rb") as fh:
+            os.fsync(fh.fileno())
+
+
+def _point_latest(root: Path, version: str) -> None:
+    tmp = root / f".latest.{os.getpid()}"
+    if tmp.is_symlink() or tmp.exists():
+        tmp.unlink()
+    tmp.symlink_to(version)
+    os.replace(tmp, root / "latest")  # rename over the old link: readers see old or new, never none
