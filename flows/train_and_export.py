@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 from prefect import flow, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
@@ -23,7 +22,6 @@ from stages import data, export, handoff, merge, preflight, smoke, train
 from stages.config import ConfigError, load_config
 from stages.memory import MemoryReport
 from stages.paths import RunPaths
-
 
 # Problems in the user's inputs: one message, no traceback.
 USER_ERRORS = (ConfigError, data.DataError, preflight.PreflightError, smoke.SmokeError, FileNotFoundError)

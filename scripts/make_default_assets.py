@@ -160,28 +160,31 @@ def make_model(out: Path) -> None:
     GenerationConfig(bos_token_id=1, eos_token_id=2, do_sample=False, max_new_tokens=64).save_pretrained(out)
 
 
-def build(root: Path) -> None:
+def build(root: Path, with_model: bool = True) -> None:
     items = make_data(root / "data")
     texts = [f"[INST] {p} [/INST] {c}" for p, c in items] + ["<<SYS>> You are a helpful assistant. <</SYS>>"]
     texts += ["[INST] Repeat: " + " ".join(FRENCH) + " [/INST]", "[INST] Repeat: " + " ".join(ENGLISH) + " [/INST]"]
     model_dir = root / "tiny-llama"
     model_dir.mkdir(parents=True, exist_ok=True)
     make_tokenizer(model_dir, texts)
-    make_model(model_dir)
+    if with_model:
+        make_model(model_dir)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--check", action="store_true", help="rebuild in a temp dir and compare with assets/")
+    ap.add_argument("--skip-model", action="store_true", help="with --check: compare data and tokenizer only (skips the 1-minute pretraining)")
     args = ap.parse_args()
     if not args.check:
         build(REPO / "assets")
         print(f"wrote {REPO / 'assets'}")
         return 0
     with tempfile.TemporaryDirectory() as tmp:
-        build(Path(tmp))
-        files = ["data/translate_train.jsonl", "data/translate_eval.jsonl", "tiny-llama/tokenizer.model",
-                 "tiny-llama/tokenizer_config.json", "tiny-llama/config.json", "tiny-llama/model.safetensors"]
+        build(Path(tmp), with_model=not args.skip_model)
+        files = ["data/translate_train.jsonl", "data/translate_eval.jsonl", "tiny-llama/tokenizer.model", "tiny-llama/tokenizer_config.json"]
+        if not args.skip_model:
+            files += ["tiny-llama/config.json", "tiny-llama/model.safetensors"]
         differ = [f for f in files if not filecmp.cmp(Path(tmp) / f, REPO / "assets" / f, shallow=False)]
     print("identical" if not differ else f"differ: {differ}")
     return 1 if differ else 0

@@ -25,6 +25,15 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 QUANT_FTYPES = {"Q4_K_M": 15, "Q5_K_S": 16, "Q5_K_M": 17, "Q6_K": 18, "Q8_0": 7, "Q4_K_S": 14}
 
 
+# What people type for a key that has a library name (checked before spelling distance).
+ALIASES = {
+    "rank": "r", "alpha": "lora_alpha", "dropout": "lora_dropout", "targets": "target_modules",
+    "lr": "learning_rate", "batch_size": "per_device_train_batch_size", "micro_batch_size": "per_device_train_batch_size",
+    "steps": "max_steps", "grad_accum": "gradient_accumulation_steps", "qlora": "load_in_4bit",
+    "model_path": "name_or_path", "path": "name_or_path", "dtype": "torch_dtype",
+}
+
+
 class ConfigError(ValueError):
     """A config that cannot run; the message lists every problem and its fix."""
 
@@ -68,18 +77,18 @@ class LoraSection(Section):
 
     r: int = Field(16, gt=0, description="Rank; higher adds capacity and memory.")
     lora_alpha: float = Field(32, gt=0, description="Scale = lora_alpha / r.")
-    lora_dropout: float = Field(0.05, ge=0, lt=1)
+    lora_dropout: float = Field(0.05, ge=0, lt=1, description="Dropout on the adapter input; 0 skips a copy of each input.")
     target_modules: list[str] | Literal["all-linear"] = Field(
         "all-linear", description="Module names to adapt, e.g. [q_proj, v_proj, o_proj], or all-linear."
     )
-    bias: Literal["none", "all", "lora_only"] = "none"
+    bias: Literal["none", "all", "lora_only"] = Field("none", description="Which biases train; none keeps the base frozen.")
 
 
 class QuantizationSection(Section):
     """transformers.BitsAndBytesConfig fields. load_in_4bit: true makes the run QLoRA."""
 
     load_in_4bit: bool = Field(False, description="QLoRA: keep the frozen base in 4 bits (bitsandbytes).")
-    bnb_4bit_quant_type: Literal["nf4", "fp4"] = "nf4"
+    bnb_4bit_quant_type: Literal["nf4", "fp4"] = Field("nf4", description="NF4 is the QLoRA paper's data type for normal-distributed weights.")
     bnb_4bit_use_double_quant: bool = Field(True, description="Quantise the quantisation constants (~0.4 bit/param saved).")
     bnb_4bit_compute_dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
         "auto", description="auto follows model.torch_dtype."
@@ -91,26 +100,27 @@ class TrainingSection(Section):
 
     per_device_train_batch_size: int = Field(8, gt=0, description="Micro-batch; memory grows with it.")
     gradient_accumulation_steps: int = Field(1, gt=0, description="Effective batch = micro-batch x this.")
-    learning_rate: float = Field(2e-4, gt=0)
-    lr_scheduler_type: Literal["linear", "cosine", "constant", "constant_with_warmup"] = "linear"
-    warmup_steps: int = Field(0, ge=0)
-    weight_decay: float = Field(0.0, ge=0)
-    max_grad_norm: float = Field(1.0, ge=0)
+    learning_rate: float = Field(2e-4, gt=0, description="Peak learning rate of the adapter.")
+    lr_scheduler_type: Literal["linear", "cosine", "constant", "constant_with_warmup"] = Field("linear", description="Decay after warmup.")
+    warmup_steps: int = Field(0, ge=0, description="Linear warmup from 0 to learning_rate.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay on the adapter.")
+    max_grad_norm: float = Field(1.0, ge=0, description="Gradient clipping; 0 disables.")
     max_steps: int = Field(100, gt=0, description="Optimizer steps.")
     gradient_checkpointing: bool = Field(True, description="Recompute activations in backward; saves memory, costs ~1/3 more compute.")
-    optim: Literal["adamw_torch", "adamw_torch_fused", "paged_adamw_8bit", "adamw_8bit", "sgd"] = "adamw_torch"
+    optim: Literal["adamw_torch", "adamw_torch_fused", "paged_adamw_8bit", "adamw_8bit", "sgd"] = Field(
+        "adamw_torch", description="Optimizer (TrainingArguments.optim). 8-bit states take 2 bytes per adapter parameter instead of 8."
+    )
     train_sampling_strategy: Literal["random", "group_by_length", "sequential"] = Field(
         "random", description="group_by_length batches samples of similar length so padding is not paid for; "
         "on data with few distinct lengths its same-length batches can stall convergence (measured on the default)."
     )
-    logging_steps: int = Field(10, gt=0)
+    logging_steps: int = Field(10, gt=0, description="Loss is logged every N steps (memory is recorded every step).")
     save_steps: int = Field(50, gt=0, description="Checkpoint every N steps; a crash loses at most N steps.")
-    save_total_limit: int = Field(2, gt=0)
-    seed: int = 0
+    save_total_limit: int = Field(2, gt=0, description="Checkpoints kept on disk.")
+    seed: int = Field(0, description="Seeds adapter init and data order.")
 
 
 class PreflightSection(Section):
-    enabled: bool = True
     gpu_memory_gib: float | None = Field(
         None, gt=0, description="Memory budget of the training card. null: the device's total on GPU; "
         "on CPU the check uses the machine's available RAM."
@@ -222,7 +232,8 @@ def _explain(path: Path, err: ValidationError) -> str:
         if e["type"] == "extra_forbidden":
             parent = _section_at(e["loc"][:-1])
             valid = list(parent.model_fields) if parent else []
-            near = difflib.get_close_matches(str(e["loc"][-1]), valid, n=1, cutoff=0.5)
+            key = str(e["loc"][-1])
+            near = [ALIASES[key]] if ALIASES.get(key) in valid else difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
             hint = f"did you mean `{near[0]}`?" if near else f"valid keys here: {', '.join(valid)}"
             lines.append(f"{loc}: unknown key; {hint}")
         elif e["type"] == "missing":
@@ -259,3 +270,21 @@ def _check_inputs(cfg: RunConfig) -> list[str]:
     if cfg.smoke.check == "exact" and cfg.data.eval_file is None:
         problems.append("smoke.check is `exact` but data.eval_file is not set; add held-out samples or use smoke.check: stops")
     return problems
+
+
+def reference_markdown() -> str:
+    """The config reference table for the README, generated from the schema itself."""
+    lines = ["| key | default | meaning |", "|---|---|---|"]
+    for section, field in RunConfig.model_fields.items():
+        ann = field.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            for name, f in ann.model_fields.items():
+                default = "required" if f.is_required() else f"`{json.dumps(f.default, default=str)}`"
+                lines.append(f"| `{section}.{name}` | {default} | {(f.description or '').replace('|', '/')} |")
+        else:
+            lines.append(f"| `{section}` | `{field.default}` | {field.description or ''} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(reference_markdown())

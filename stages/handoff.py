@@ -75,13 +75,17 @@ def run(
             names = []
             for _quant, src in gguf_files:
                 dst = tmp / Path(src).name
-                _link_or_copy(Path(src), dst)
+                # A copy, not a hard link: a link would let anything rewriting the run's
+                # file in place change a published bundle under the serving team.
+                shutil.copy2(src, dst)
+                dst.chmod(0o444)
                 names.append(dst.name)
             sums = {n: sha256_file(tmp / n) for n in names}
             (tmp / "SHA256SUMS").write_text("".join(f"{h}  {n}\n" for n, h in sums.items()))
             manifest = _manifest(cfg, version, gguf_files, sums, adapter_dir, data_fingerprint, smoke, memory, extra or {})
             (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2, default=str))
             _fsync_dir(tmp)
+            tmp.chmod(0o755)  # mkdtemp makes it private; the serving team must read it
             os.rename(tmp, final)  # atomic on one filesystem; fails if `final` appeared meanwhile
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -134,14 +138,6 @@ def _versions() -> dict:
         except metadata.PackageNotFoundError:
             out[p] = None
     return out
-
-
-def _link_or_copy(src: Path, dst: Path) -> None:
-    # A hard link costs no space for multi-GB files; GGUFs are never modified in place.
-    try:
-        os.link(src, dst)
-    except OSError:
-        shutil.copy2(src, dst)
 
 
 def _fsync_dir(d: Path) -> None:

@@ -1,0 +1,90 @@
+"""GGUF export checks and the llama.cpp smoke test, on real files."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+
+from stages import export, llamacpp, smoke
+from stages.config import load_config
+from stages.modelio import load_tokenizer
+from tests.conftest import REPO, write_config
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def run_dir(e2e):
+    return Path(e2e[0]["run_dir"])
+
+
+def test_base_model_lacks_the_skill(tmp_path):
+    """The untrained base, exported the same way, answers 0 held-out prompts: the skill comes from the fine-tune."""
+    cfg = load_config(write_config(tmp_path, export={"quant_types": ["Q4_K_M"]}))
+    ex = export.run(cfg, REPO / "assets" / "tiny-llama", tmp_path / "export")
+    with pytest.raises(smoke.SmokeError, match=r"model-Q4_K_M.gguf: 0/50 prompts passed \(0% < smoke.min_accuracy 90%\)"):
+        smoke.run(cfg, [(f.quant, f.path) for f in ex.files], tmp_path / "smoke")
+    result = json.loads((tmp_path / "smoke" / "smoke_result.json").read_text())
+    assert result["passed"] is False and result["files"][0]["accuracy"] == 0.0
+
+
+def test_converter_must_match_the_runtime(tmp_path, monkeypatch):
+    fake = tmp_path / "conv"
+    fake.mkdir()
+    (fake / "convert_hf_to_gguf.py").write_text("")
+    (fake / "VERSION").write_text("0.0.1\n")
+    monkeypatch.setenv("TAE_CONVERTER_DIR", str(fake))
+    with pytest.raises(RuntimeError, match=rf"comes from llama-cpp-python 0.0.1, but {llamacpp.runtime_version()} is installed"):
+        llamacpp.converter_dir()
+
+
+def test_k_quant_fallback_is_reported_by_tensor_name(run_dir):
+    info = llamacpp.read_gguf(run_dir / "export" / "model-Q4_K_M.gguf")
+    export.check_quant_types(info, "Q4_K_M", Path("model-Q4_K_M.gguf"))  # the real file passes
+    bad = copy.deepcopy(info)
+    bad["tensor_types"]["blk.0.ffn_down.weight"] = "Q5_0"
+    bad["tensor_shapes"]["blk.0.ffn_down.weight"] = [700, 256]
+    with pytest.raises(ValueError, match=r"blk.0.ffn_down.weight=Q5_0 \(row 700\).*multiple of 256"):
+        export.check_quant_types(bad, "Q4_K_M", Path("model-Q4_K_M.gguf"))
+    with pytest.raises(ValueError, match="general.file_type is 15, expected 16"):
+        export.check_quant_types(info, "Q5_K_S", Path("x.gguf"))
+
+
+def test_gguf_tokenizer_metadata_and_tokenization_match_hf(run_dir):
+    cfg = load_config(REPO / "configs" / "default.yaml")
+    tok = load_tokenizer(cfg.model)
+    result = json.loads((run_dir / "export" / "export_result.json").read_text())
+    assert result["checks"]["Q4_K_M"] == {"vocab_size": len(tok), "bos_token_id": 1, "eos_token_id": 2, "chat_template_equal": True}
+    assert result["checks"]["tokenization"]["identical"]
+
+
+def test_tokenizer_mismatch_is_caught(run_dir):
+    """The trap found building the default: without legacy=True, HF and llama.cpp tokenize `<s>[INST]` differently."""
+    from transformers import AutoTokenizer
+
+    modern = AutoTokenizer.from_pretrained(REPO / "assets" / "tiny-llama", legacy=False)
+    text = modern.apply_chat_template([{"role": "user", "content": "Translate to French: red"}], tokenize=False)
+    with pytest.raises(ValueError, match=r"tokenizes differently from the HF tokenizer at token 1"):
+        export.check_tokenization(run_dir / "export" / "model-f16.gguf", modern, [text])
+
+
+def test_offload_plan_fits_the_serving_card(run_dir):
+    info = llamacpp.read_gguf(run_dir / "export" / "model-Q4_K_M.gguf")
+    full = smoke.plan_offload(info, n_ctx=256, gpu_memory_gib=8, gpu_offload=True)
+    assert full.n_gpu_layers == full.n_layers == 2
+    kv = 2 * 256 * 2 * 64 * 2 * 2 / 2**30  # K+V, n_ctx 256, 2 KV heads x 64, f16, 2 layers
+    assert full.kv_cache_gib == pytest.approx(kv, rel=1e-3)
+    per_layer = full.layer_gib + kv / 2
+    budget = (0.35 + full.other_gib + 1.5 * per_layer) / 0.9  # room for one and a half layers
+    assert smoke.plan_offload(info, 256, budget, True).n_gpu_layers == 1
+    assert smoke.plan_offload(info, 256, None, True).n_gpu_layers == 0
+    assert "CPU build" in smoke.plan_offload(info, 256, 8, False).reason
+
+
+def test_export_refuses_a_non_model_directory(tmp_path):
+    cfg = load_config(write_config(tmp_path))
+    with pytest.raises(FileNotFoundError, match="merge stage's `model` directory"):
+        export.run(cfg, tmp_path, tmp_path / "export")
