@@ -32,7 +32,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 ENGLISH = "red blue green black white cat dog bird fish tree sun moon star rain snow house door book road hill".split()
 FRENCH = "rouge bleu vert noir blanc chat chien oiseau poisson arbre soleil lune etoile pluie neige maison porte livre route colline".split()
-DICTIONARY = dict(zip(ENGLISH, FRENCH))
+DICTIONARY = dict(zip(ENGLISH, FRENCH, strict=True))
 N_TRAIN, N_EVAL = 2000, 100
 SEED = 1234
 

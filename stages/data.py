@@ -186,6 +186,6 @@ def _encode(sample: Sample, tokenizer) -> tuple[list[int], list[int]]:
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     labels = [
         tok if any(a <= start < b for a, b in spans) else -100
-        for tok, (start, _end) in zip(enc["input_ids"], enc["offset_mapping"])
+        for tok, (start, _end) in zip(enc["input_ids"], enc["offset_mapping"], strict=True)
     ]
     return enc["input_ids"], labels

@@ -156,7 +156,7 @@ def check_tokenization(gguf_path: Path, tokenizer, texts: list[str]) -> dict:
             hf = tokenizer(text, add_special_tokens=False)["input_ids"]
             gg = vocab.tokenize(text.encode(), add_bos=False, special=True)
             if hf != gg:
-                i = next((k for k, (a, b) in enumerate(zip(hf, gg)) if a != b), min(len(hf), len(gg)))
+                i = next((k for k, (a, b) in enumerate(zip(hf, gg, strict=False)) if a != b), min(len(hf), len(gg)))
                 raise ValueError(
                     f"{gguf_path.name} tokenizes differently from the HF tokenizer at token {i} of {text[:60]!r}: "
                     f"hf {tokenizer.convert_ids_to_tokens(hf[i:i + 3])} vs gguf "

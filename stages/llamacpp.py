@@ -29,7 +29,9 @@ def converter_dir() -> Path:
     d = Path(os.environ.get("TAE_CONVERTER_DIR", CACHE / f"llama-cpp-converter-{version}"))
     script = d / "convert_hf_to_gguf.py"
     if not script.is_file():
-        raise FileNotFoundError(f"GGUF converter not found at {script}; run `bash scripts/install.sh` (it extracts it from the llama-cpp-python {version} sdist)")
+        raise FileNotFoundError(
+            f"GGUF converter not found at {script}; run `bash scripts/install.sh` (it extracts it from the llama-cpp-python {version} sdist)"
+        )
     found = (d / "VERSION").read_text().strip() if (d / "VERSION").is_file() else "unknown"
     if found != version:
         raise RuntimeError(

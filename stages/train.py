@@ -147,7 +147,7 @@ def make_trainer(cfg: RunConfig, model, tokenizer, tok: data.Tokenized, out_dir:
         disable_tqdm=False,
         logging_first_step=True,
     )
-    rows = [{"input_ids": i, "labels": l, "attention_mask": [1] * len(i)} for i, l in zip(tok.input_ids, tok.labels)]
+    rows = [{"input_ids": i, "labels": l, "attention_mask": [1] * len(i)} for i, l in zip(tok.input_ids, tok.labels, strict=True)]
     collator = DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100)
     return Trainer(
         model=model, args=args, train_dataset=rows, data_collator=collator,

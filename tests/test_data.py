@@ -68,7 +68,7 @@ def test_labels_cover_exactly_the_assistant_turns(tokenizer, tmp_path):
     ]}])
     tok = data.tokenize(data.read_jsonl(p), tokenizer, 128, "error")
     ids, labels = tok.input_ids[0], tok.labels[0]
-    kept = [i for i, l in zip(ids, labels) if l != -100]
+    kept = [i for i, l in zip(ids, labels, strict=True) if l != -100]
     assert tokenizer.decode(kept) == "rouge chat</s> chien</s>"
     # what the model sees is the chat template, token for token
     assert ids == tokenizer(tokenizer.apply_chat_template(list(data.read_jsonl(p)[0].messages), tokenize=False), add_special_tokens=False)["input_ids"]
