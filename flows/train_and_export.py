@@ -18,13 +18,13 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
 
-from stages import data, export, handoff, merge, preflight, smoke, train
+from stages import data, export, handoff, llamacpp, merge, preflight, smoke, train
 from stages.config import ConfigError, load_config
 from stages.memory import MemoryReport
 from stages.paths import RunPaths
 
 # Problems in the user's inputs: one message, no traceback.
-USER_ERRORS = (ConfigError, data.DataError, preflight.PreflightError, smoke.SmokeError, FileNotFoundError)
+USER_ERRORS = (ConfigError, data.DataError, preflight.PreflightError, smoke.SmokeError, FileNotFoundError, llamacpp.ConverterMismatch)
 
 
 def publish_memory(stage: str, report: MemoryReport | None) -> None:
@@ -58,6 +58,7 @@ handoff_task = stage("handoff", handoff.run)
 def train_and_export(config: str = "configs/default.yaml", overrides: list[str] | None = None, run_id: str | None = None) -> dict:
     """Fine-tune, merge, export GGUF, smoke-test and hand off, as configured in `config`."""
     cfg = load_config(config, overrides)
+    llamacpp.converter_dir()  # the converter must match the llama.cpp runtime: checked before any work
     paths = RunPaths.for_run(cfg, run_id)
     fingerprint = data.fingerprint([cfg.data.train_file, cfg.data.eval_file])
     print(f"run {paths.run_id}: {paths.root}  data {fingerprint[:12]}")

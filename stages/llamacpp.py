@@ -17,6 +17,10 @@ CACHE = Path(os.environ.get("TAE_CACHE_DIR", Path(os.environ.get("XDG_CACHE_HOME
 MAX_METADATA_STRING = 1 << 20  # a chat template or any string over 1 MiB in GGUF metadata is refused
 
 
+class ConverterMismatch(RuntimeError):
+    """The converter on disk is not from the installed llama.cpp runtime's sdist."""
+
+
 def runtime_version() -> str:
     import llama_cpp
 
@@ -34,7 +38,7 @@ def converter_dir() -> Path:
         )
     found = (d / "VERSION").read_text().strip() if (d / "VERSION").is_file() else "unknown"
     if found != version:
-        raise RuntimeError(
+        raise ConverterMismatch(
             f"the converter in {d} comes from llama-cpp-python {found}, but {version} is installed; "
             "re-run `bash scripts/install.sh` so both come from the same sdist"
         )

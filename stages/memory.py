@@ -44,7 +44,7 @@ class MemoryReport:
         return max(self.peak_rss_gib, self.child_peak_rss_gib or 0.0)
 
     def to_json(self) -> dict:
-        return asdict(self) | {"peak_gib": round(self.peak_gib, 4)}
+        return asdict(self) | {"peak_gib": self.peak_gib}
 
 
 def _read_status_kib(key: str, pid: int | str = "self") -> int | None:

@@ -25,7 +25,8 @@ def test_child_process_peak_is_measured(tmp_path):
         proc = meter.run([sys.executable, "-c", "b = bytearray(400 * 2**20); b[::4096] = b'x' * len(b[::4096])"])
     assert proc.returncode == 0
     assert 0.39 < meter.report.child_peak_rss_gib < 0.6
-    assert meter.report.peak_gib == meter.report.child_peak_rss_gib  # the child was the biggest
+    r = meter.report
+    assert r.peak_gib == max(r.peak_rss_gib, r.child_peak_rss_gib)  # the headline covers the child too
 
 
 def test_memory_json_is_written_even_when_the_stage_fails(tmp_path):
