@@ -38,14 +38,14 @@ export CMAKE_BUILD_PARALLEL_LEVEL=$JOBS
 log() { printf '[install %(%H:%M:%S)T] %s\n' -1 "$*"; }
 mkdir -p "$CACHE"
 
-log "1/4 torch ($ACCEL)"
+log "1/5 torch ($ACCEL)"
 # On a laptop, point TAE_TORCH_INDEX at https://download.pytorch.org/whl/cpu to get the
 # small CPU build; CI machines have it on disk already.
 "${PIP[@]}" -q "torch==$TORCH_VERSION" ${TAE_TORCH_INDEX:+--index-url "$TAE_TORCH_INDEX"}
 
 SDIST="$CACHE/llama_cpp_python-$LLAMA_CPP_VERSION.tar.gz"
 if [ ! -f "$SDIST" ]; then
-  log "2/4 downloading llama-cpp-python $LLAMA_CPP_VERSION sdist"
+  log "2/5 downloading llama-cpp-python $LLAMA_CPP_VERSION sdist"
   "$PY" -m pip download -q --no-deps --no-binary :all: "llama-cpp-python==$LLAMA_CPP_VERSION" -d "$CACHE/dl"
   mv "$CACHE/dl/llama_cpp_python-$LLAMA_CPP_VERSION.tar.gz" "$SDIST"
 fi
@@ -54,7 +54,7 @@ echo "$LLAMA_CPP_SHA256  $SDIST" | sha256sum -c --quiet - \
 
 CONVERTER="$CACHE/llama-cpp-converter-$LLAMA_CPP_VERSION"
 if [ ! -f "$CONVERTER/VERSION" ]; then
-  log "3/4 extracting the official converter into $CONVERTER"
+  log "3/5 extracting the official converter into $CONVERTER"
   tmp=$(mktemp -d "$CACHE/extract.XXXX")
   top="llama_cpp_python-$LLAMA_CPP_VERSION/vendor/llama.cpp"
   tar -xzf "$SDIST" -C "$tmp" "$top/convert_hf_to_gguf.py" "$top/conversion" "$top/gguf-py" "$top/LICENSE"
@@ -64,14 +64,14 @@ fi
 
 WHEELS="$CACHE/wheels-$ACCEL"
 if ! ls "$WHEELS"/llama_cpp_python-"$LLAMA_CPP_VERSION"-*.whl >/dev/null 2>&1; then
-  log "2/4 building llama-cpp-python $LLAMA_CPP_VERSION ($ACCEL, $JOBS jobs; ~6 min on 2 cores)"
+  log "4/5 building llama-cpp-python $LLAMA_CPP_VERSION ($ACCEL, $JOBS jobs; ~6 min on 2 cores)"
   log "    CMAKE_ARGS=$CMAKE_ARGS"
   "$PY" -m pip wheel -q --no-deps "$SDIST" -w "$WHEELS.tmp"
   mkdir -p "$WHEELS" && mv "$WHEELS.tmp"/*.whl "$WHEELS"/ && rm -rf "$WHEELS.tmp"
 fi
 "${PIP[@]}" -q "$WHEELS"/llama_cpp_python-"$LLAMA_CPP_VERSION"-*.whl "$CONVERTER/gguf-py"
 
-log "4/4 train-and-export and its pinned dependencies"
+log "5/5 train-and-export and its pinned dependencies"
 "${PIP[@]}" -q -e "$REPO[dev]"
 "$PY" -c "import llama_cpp, gguf, torch, transformers, peft, prefect; print('installed: torch', torch.__version__, '| transformers', transformers.__version__, '| peft', peft.__version__, '| llama_cpp', llama_cpp.__version__, '| prefect', prefect.__version__)"
 echo "converter: $CONVERTER"
