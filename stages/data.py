@@ -142,7 +142,12 @@ def tokenize(samples: list[Sample], tokenizer, max_length: int, policy: str) -> 
     out = Tokenized([], [], [])
     too_long = []
     for s in samples:
-        ids, labels = _encode(s, tokenizer)
+        try:
+            ids, labels = _encode(s, tokenizer)
+        except DataError:
+            raise
+        except Exception as e:  # a template that raises, a tokenizer that chokes on a character
+            raise DataError(f"{s.id}: the tokenizer or chat template failed on this sample: {type(e).__name__}: {e}") from e
         if len(ids) > max_length:
             too_long.append(f"{s.id} ({len(ids)} tokens)")
             if policy == "drop":

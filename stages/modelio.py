@@ -14,6 +14,12 @@ import torch
 
 from stages.config import ModelSection, QuantizationSection
 
+# Read by torch at the first CUDA allocation, so set before any stage touches the GPU.
+# Variable-length batches under the default allocator reserved 97.5 GiB for 30 GiB
+# allocated; expandable segments 34.2 GiB; the often-advised max_split_size_mb:128
+# 139 GiB (../shared/anchors, R7, HF Trainer). A user's own setting wins.
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+
 
 def resolve_model_dir(name_or_path: str) -> Path:
     """A local model directory for `name_or_path`, or FileNotFoundError saying how to get one."""

@@ -32,12 +32,18 @@ from stages.config import RunConfig, load_config
 from stages.memory import GIB, MemoryReport
 from stages.modelio import compute_dtype, load_tokenizer, resolve_model_dir
 
+KNOWN_MODEL_TYPES = {"llama", "qwen2", "mistral", "qwen3"}
 ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 NF4_BYTES = {True: 0.5 + 1 / 64 + 4 / (64 * 256), False: 0.5 + 4 / 64}  # 4-bit + absmax (double-quant or fp32)
 OPTIM_BYTES = {"adamw_torch": 8, "adamw_torch_fused": 8, "paged_adamw_8bit": 2, "adamw_8bit": 2, "sgd": 0}
+PROBE_IF_UNDER = 1.25       # probe when the estimate is below this multiple of the budget
+# Fitted to measured peaks (bench/preflight_grid.py); until then, first-principles guesses.
 LOGITS_BYTES_PER_ELEM = 10  # bf16 logits + fp32 upcast + fp32 grad (anchors: 11.5 GiB at 8192 x 152064)
-CUDA_CONTEXT_GIB = 0.5      # CALIBRATE: driver + cuBLAS workspaces, outside torch's counters
-ALLOCATOR_OVERHEAD = 0.10   # CALIBRATE: reserved over allocated with expandable_segments
+CHUNKED_BYTES_PER_HIDDEN = 8
+ACT_H, ACT_I, ACT_KV = 10, 4, 4   # elements saved per token per layer, by dimension
+RECOMPUTE_FACTOR = 1.5      # one layer's activations plus their grads during recompute
+MASK_BYTES_PER_ELEM = 1     # bool 4-D padding mask, batch x seq x seq
+ALLOCATOR_OVERHEAD = 0.05   # reserved over allocated with expandable_segments
 
 
 class PreflightError(RuntimeError):
@@ -46,6 +52,8 @@ class PreflightError(RuntimeError):
 
 @dataclass
 class Shapes:
+    """What the estimate needs from config.json; `unknown` says what could not be read."""
+
     vocab: int
     hidden: int
     intermediate: int
@@ -54,19 +62,41 @@ class Shapes:
     kv_heads: int
     head_dim: int
     tied: bool
-    qkv_bias: bool
+    experts: int = 1
+    unknown: list[str] = field(default_factory=list)
 
     @classmethod
     def from_config(cls, cfg: dict) -> Shapes:
+        """Reads Llama/Qwen/Mistral-style names, with GPT-style fallbacks; never raises on a missing key."""
         cfg = cfg.get("text_config", cfg)
-        heads = cfg["num_attention_heads"]
-        return cls(
-            vocab=cfg["vocab_size"], hidden=cfg["hidden_size"], intermediate=cfg["intermediate_size"],
-            layers=cfg["num_hidden_layers"], heads=heads, kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+        unknown = []
+
+        def get(*names, default=0):
+            for n in names:
+                if cfg.get(n) is not None:
+                    return cfg[n]
+            unknown.append(f"{names[0]} (config.json has none of {', '.join(names)})")
+            return default
+
+        hidden = get("hidden_size", "n_embd", "d_model")
+        heads = get("num_attention_heads", "n_head", "num_heads", default=1)
+        shapes = cls(
+            vocab=get("vocab_size"), hidden=hidden, intermediate=get("intermediate_size", "n_inner", "ffn_dim", default=4 * hidden),
+            layers=get("num_hidden_layers", "n_layer", "num_layers"), heads=heads,
+            kv_heads=cfg.get("num_key_value_heads") or heads, head_dim=cfg.get("head_dim") or (hidden // heads if heads else 0),
             tied=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=bool(cfg.get("attention_bias", cfg.get("model_type") in ("qwen2",))),
+            experts=int(cfg.get("num_local_experts") or cfg.get("num_experts") or 1), unknown=unknown,
         )
+        arch = (cfg.get("architectures") or ["?"])[0]
+        if cfg.get("model_type") not in KNOWN_MODEL_TYPES:
+            shapes.unknown.append(
+                f"architecture {arch} (model_type {cfg.get('model_type')!r}) is not one the estimate was calibrated on "
+                f"({', '.join(sorted(KNOWN_MODEL_TYPES))}): weights are counted from the shapes above, activations assume a "
+                "Llama-style decoder; trust the GPU probe over the estimate"
+            )
+        if shapes.experts > 1:
+            shapes.unknown.append(f"{shapes.experts} experts: every expert's MLP weights are counted, activations as if dense")
+        return shapes
 
     def linears(self) -> dict[str, tuple[int, int]]:
         """(in, out) features of each per-layer linear module."""
@@ -95,6 +125,17 @@ class Estimate:
 
 
 @dataclass
+class ProbeResult:
+    ok: bool                   # two optimizer steps completed under the cap
+    peak_reserved_gib: float   # what the caching allocator held at its peak
+    peak_alloc_gib: float
+    cap_gib: float             # set_per_process_memory_fraction of the device
+    batch: list[int]           # the row lengths of the probed micro-batch
+    postmortem: Path | None = None
+    error: str | None = None
+
+
+@dataclass
 class PreflightResult:
     fits: bool
     device: str
@@ -105,22 +146,34 @@ class PreflightResult:
     suggestions: list[dict]    # config changes that fit, smallest estimate first
     report_md: Path
     memory: MemoryReport | None = None
+    probe: ProbeResult | None = None
     notes: list[str] = field(default_factory=list)
 
 
 def run(cfg: RunConfig, out_dir: Path, gpu_memory_gib: float | None = None) -> PreflightResult:
-    """Scan the data, estimate the worst step, and raise PreflightError if it does not fit."""
+    """Scan the data, estimate the worst step, probe it on a GPU; raise PreflightError if it does not fit."""
     out_dir = Path(out_dir)
     with memory.track("preflight", out_dir) as meter:
         shapes = Shapes.from_config(json.loads((resolve_model_dir(cfg.model.name_or_path) / "config.json").read_text()))
         lengths = scan_lengths(cfg)
         device, budget = _budget(gpu_memory_gib or cfg.preflight.gpu_memory_gib)
         usable = budget * (1 - cfg.preflight.margin)
-        est = estimate(cfg, shapes, lengths.max, on_gpu=device != "cpu")
-        fits = est.total_gib <= usable
-        suggestions = [] if fits else suggest(cfg, shapes, lengths, usable, on_gpu=device != "cpu")
+        on_gpu = device != "cpu"
+        est = estimate(cfg, shapes, lengths.max, on_gpu=on_gpu)
+        weights = next(v for k, v in est.items_gib.items() if k.startswith("base weights"))
+        if weights > usable:
+            raise PreflightError(
+                f"the base weights alone need {weights:.2f} GiB, more than the {usable:.2f} GiB usable of {budget:.2f} GiB on {device}; "
+                + ("use a bigger card or several GPUs (FSDP)" if cfg.quantization.load_in_4bit else "set quantization.load_in_4bit: true (QLoRA) or use a bigger card")
+            )
+        result_probe = None
+        # Probing a run the estimate puts far over budget would only OOM slowly.
+        if on_gpu and cfg.preflight.probe and est.total_gib <= PROBE_IF_UNDER * usable:
+            result_probe = probe(cfg, lengths.max, usable, out_dir)
+        fits = result_probe.ok if result_probe else est.total_gib <= usable
+        suggestions = [] if fits else suggest(cfg, shapes, lengths, usable, on_gpu=on_gpu)
     result = PreflightResult(fits, device, round(budget, 3), round(usable, 3), est, lengths, suggestions,
-                             out_dir / "preflight.md", meter.report)
+                             out_dir / "preflight.md", meter.report, probe=result_probe, notes=shapes.unknown)
     result.report_md.write_text(render(result, cfg))
     (out_dir / "preflight.json").write_text(json.dumps(_jsonable(result), indent=2, default=str))
     print(result.report_md.read_text())
@@ -128,12 +181,63 @@ def run(cfg: RunConfig, out_dir: Path, gpu_memory_gib: float | None = None) -> P
         fitting = [s for s in suggestions if s["fits"]]
         fix = (f"smallest change that fits: {fitting[0]['change']} (estimate {fitting[0]['estimate_gib']:.2f} GiB)"
                if fitting else "no single change fits: combine QLoRA, a smaller micro-batch and a shorter max_length")
+        measured = (f"; the probe ran out of memory ({result_probe.error}), post-mortem {result_probe.postmortem}"
+                    if result_probe and not result_probe.ok else "")
         raise PreflightError(
             f"estimated peak {est.total_gib:.2f} GiB for the worst micro-batch ({lengths.worst_batch_tokens} tokens, "
             f"longest sample {lengths.longest_id}) exceeds {usable:.2f} GiB usable of {budget:.2f} GiB on {device} "
-            f"(preflight.margin {cfg.preflight.margin:.0%}); {fix}. Full table: {result.report_md}"
+            f"(preflight.margin {cfg.preflight.margin:.0%}){measured}; {fix}. Full table: {result.report_md}"
         )
     return result
+
+
+def probe(cfg: RunConfig, worst_len: int, cap_gib: float, out_dir: Path) -> ProbeResult:
+    """Two real optimizer steps on the worst micro-batch, built exactly as training builds it,
+    with the process capped at `cap_gib` (torch.cuda.set_per_process_memory_fraction).
+
+    The batch is the longest sample plus rows one token shorter, so dynamic padding and the
+    padding mask appear as they will in training.
+    """
+    import gc
+
+    import torch
+
+    from stages import train
+
+    total = torch.cuda.get_device_properties(0).total_memory
+    b = cfg.training.per_device_train_batch_size
+    batch = [worst_len] + [max(1, worst_len - 1)] * (b - 1)
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.set_per_process_memory_fraction(min(1.0, cap_gib * GIB / total))
+    torch.cuda.reset_peak_memory_stats()
+    model = trainer = None
+    try:
+        model = train.build_model(cfg)
+        vocab = model.get_input_embeddings().num_embeddings
+        gen = torch.Generator().manual_seed(0)
+        rows = []
+        for _ in range(2):
+            for n in batch:
+                ids = torch.randint(3, vocab, (n,), generator=gen).tolist()
+                rows.append({"input_ids": ids, "labels": ids})
+        trainer = train.make_trainer(
+            cfg, model, rows, pad_id=0, out_dir=out_dir / "probe", max_steps=2, gradient_accumulation_steps=1,
+            train_sampling_strategy="sequential", save_strategy="no", logging_steps=1000, disable_tqdm=True, logging_first_step=False,
+        )
+        trainer.train()
+        ok, error, postmortem = True, None, None
+    except torch.OutOfMemoryError as e:
+        ok, error = False, str(e).split("\n")[0][:300]
+        postmortem = out_dir / "probe_postmortem.txt"
+        postmortem.write_text(f"{error}\n\nbatch rows: {batch}\n\n{torch.cuda.memory_summary()}")
+    finally:
+        peak_reserved, peak_alloc = torch.cuda.max_memory_reserved() / GIB, torch.cuda.max_memory_allocated() / GIB
+        del trainer, model
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch.cuda.set_per_process_memory_fraction(1.0)
+    return ProbeResult(ok, round(peak_reserved, 4), round(peak_alloc, 4), round(cap_gib, 3), batch, postmortem, error)
 
 
 def scan_lengths(cfg: RunConfig) -> LengthScan:
@@ -150,45 +254,66 @@ def scan_lengths(cfg: RunConfig) -> LengthScan:
 
 
 def estimate(cfg: RunConfig, s: Shapes, seq: int, on_gpu: bool) -> Estimate:
-    """Peak memory of one optimizer step on a micro-batch of `seq`-token samples."""
+    """Peak memory of one optimizer step on a micro-batch padded to `seq` tokens.
+
+    Terms, in bytes (act = bytes per activation element: 2 for bf16 on GPU, 4 on CPU):
+      weights      linear layers in 16 bits, or NF4 (4 bits + absmax) for QLoRA; embeddings,
+                   lm_head and norms stay 16-bit under bitsandbytes
+      adapters     fp32 LoRA weights + fp32 grads + optimizer states per parameter
+      activations  saved per decoder layer: ACT_H*h + ACT_I*i + ACT_KV*kv elements per token,
+                   plus a copy of each adapted module's input when lora_dropout > 0; with
+                   checkpointing only each layer's input is kept, and one layer is recomputed
+      attention    eager: the seq x seq scores; any padded batch (micro-batch > 1): a 4-D mask
+      logits       plain: tokens x vocab x LOGITS_BYTES_PER_ELEM; chunked: a few hidden-sized rows
+    """
     t, lo, q = cfg.training, cfg.lora, cfg.quantization
-    act_bytes = compute_dtype(cfg.model.torch_dtype).itemsize if on_gpu else 4
-    tokens = t.per_device_train_batch_size * seq
+    act = compute_dtype(cfg.model.torch_dtype).itemsize if on_gpu else 4
+    b = t.per_device_train_batch_size
+    tokens = b * seq
     lin = s.linears()
-    per_layer_linear = sum(i * o for i, o in lin.values())
-    embed = s.vocab * s.hidden * (1 if s.tied else 2)
-    norms = (2 * s.layers + 1) * s.hidden
+    mlp = {"gate_proj", "up_proj", "down_proj"}
+    linear_params = s.layers * sum(i * o * (s.experts if m in mlp else 1) for m, (i, o) in lin.items())
+    other_params = s.vocab * s.hidden * (1 if s.tied else 2) + (2 * s.layers + 1) * s.hidden
     if q.load_in_4bit:
-        weights = per_layer_linear * s.layers * NF4_BYTES[q.bnb_4bit_use_double_quant] + (embed + norms) * act_bytes
+        weights = linear_params * NF4_BYTES[q.bnb_4bit_use_double_quant] + other_params * act
     else:
-        weights = (per_layer_linear * s.layers + embed + norms) * act_bytes
-    targets = ALL_LINEAR if lo.target_modules == "all-linear" else [m for m in lo.target_modules if m in lin]
+        weights = (linear_params + other_params) * act
+    targets = list(lin) if lo.target_modules == "all-linear" else [m for m in lo.target_modules if m in lin]
     lora_params = s.layers * sum(lo.r * (lin[m][0] + lin[m][1]) for m in targets)
     # peft keeps adapters in fp32 (autocast_adapter_dtype): weights 4 + grads 4 + optimizer.
-    lora = lora_params * (8 + OPTIM_BYTES[t.optim])
-    h, i, kvd = s.hidden, s.intermediate, s.kv_heads * s.head_dim
-    # One decoder layer's forward working set: residual, norm, q/k/v, attention out, o,
-    # gate/up/act/product (SDPA: no seq x seq matrix). CALIBRATE against measured peaks.
-    layer_acts = tokens * (6 * h + 2 * kvd + 4 * i) * act_bytes
-    if cfg.model.attn_implementation == "eager":
-        layer_acts += t.per_device_train_batch_size * s.heads * seq * seq * act_bytes * 2
+    adapters = lora_params * (8 + OPTIM_BYTES[t.optim])
+    per_token = ACT_H * s.hidden + ACT_I * s.intermediate + ACT_KV * s.kv_heads * s.head_dim
+    if lo.lora_dropout > 0:  # dropout output (act bytes) + its mask (1 byte) per adapted input
+        per_token += sum(lin[m][0] for m in targets) * (1 + 1 / act)
+    layer = tokens * per_token * act
     if t.gradient_checkpointing:
-        activations = s.layers * tokens * h * act_bytes + 2 * layer_acts  # saved inputs + recompute and its grads
+        activations = s.layers * tokens * s.hidden * act + RECOMPUTE_FACTOR * layer
     else:
-        activations = s.layers * layer_acts
-    logits = tokens * s.vocab * LOGITS_BYTES_PER_ELEM
+        activations = s.layers * layer
+    attention = 0.0
+    if cfg.model.attn_implementation == "eager":
+        attention += b * s.heads * seq * seq * act * (2 if t.gradient_checkpointing else 2 * s.layers)
+    if b > 1:
+        attention += b * seq * seq * MASK_BYTES_PER_ELEM
+    chunked = _loss_mode(cfg, on_gpu) == "chunked"
+    logits = tokens * s.hidden * CHUNKED_BYTES_PER_HIDDEN if chunked else tokens * s.vocab * LOGITS_BYTES_PER_ELEM
     items = {
         "base weights" + (" (NF4 + 16-bit embeddings)" if q.load_in_4bit else ""): weights,
-        f"LoRA weights+grads+{t.optim} ({lora_params / 1e6:.1f} M params)": lora,
+        f"LoRA weights+grads+{t.optim} ({lora_params / 1e6:.1f} M params)": adapters,
         "activations" + (" (checkpointed)" if t.gradient_checkpointing else ""): activations,
-        "logits + cross-entropy": logits,
+        "attention scores / padding mask": attention,
+        "logits + cross-entropy" + (" (chunked)" if chunked else ""): logits,
     }
     subtotal = sum(items.values())
     items["allocator overhead"] = subtotal * ALLOCATOR_OVERHEAD if on_gpu else 0
-    if on_gpu:
-        items["CUDA context"] = CUDA_CONTEXT_GIB * GIB
     gib = {k: round(v / GIB, 4) for k, v in items.items()}
     return Estimate(gib, round(sum(gib.values()), 4))
+
+
+def _loss_mode(cfg: RunConfig, on_gpu: bool) -> str:
+    if cfg.training.cross_entropy == "auto":
+        return "chunked" if on_gpu else "plain"
+    return cfg.training.cross_entropy
 
 
 def suggest(cfg: RunConfig, s: Shapes, lengths: LengthScan, usable: float, on_gpu: bool) -> list[dict]:
@@ -244,6 +369,13 @@ def render(r: PreflightResult, cfg: RunConfig) -> str:
         *[f"| {k} | {v:.3f} |" for k, v in r.estimate.items_gib.items()],
         f"| **total** | **{r.estimate.total_gib:.3f}** |",
     ]
+    if r.probe:
+        p = r.probe
+        lines += ["", f"Probe (two real optimizer steps on rows {p.batch}, capped at {p.cap_gib:.2f} GiB): "
+                  + (f"peak reserved {p.peak_reserved_gib:.2f} GiB, allocated {p.peak_alloc_gib:.2f} GiB." if p.ok
+                     else f"OUT OF MEMORY ({p.error}); post-mortem: {p.postmortem}")]
+    if r.notes:
+        lines += ["", "Not estimated precisely:", *[f"- {n}" for n in r.notes]]
     if r.suggestions:
         lines += ["", "| change | estimate GiB | fits |", "|---|---|---|"]
         lines += [f"| `{s['change']}` | {s['estimate_gib']:.2f} | {'yes' if s['fits'] else 'no'} |" for s in r.suggestions]
@@ -253,7 +385,7 @@ def render(r: PreflightResult, cfg: RunConfig) -> str:
 def _jsonable(r: PreflightResult) -> dict:
     d = asdict(r)
     d["memory"] = r.memory.to_json() if r.memory else None
-    return d
+    return json.loads(json.dumps(d, default=str))
 
 
 def main(argv: list[str] | None = None) -> None:

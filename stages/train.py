@@ -62,7 +62,7 @@ def run(cfg: RunConfig, out_dir: Path) -> TrainResult:
     tok = data.tokenize(samples, tokenizer, cfg.data.max_length, cfg.data.long_sample_policy)
     with memory.track("train", out_dir) as meter:
         model = build_model(cfg)
-        trainer = make_trainer(cfg, model, tokenizer, tok, out_dir)
+        trainer = make_trainer(cfg, model, rows(tok), tokenizer.pad_token_id, out_dir)
         resume = last_checkpoint(out_dir / "checkpoints")
         if resume:
             print(f"train: resuming from {resume}")
@@ -94,6 +94,8 @@ def build_model(cfg: RunConfig):
     from peft import LoraConfig, get_peft_model
 
     model = load_base(cfg.model, cfg.quantization)
+    if cross_entropy(cfg) == "chunked":
+        use_chunked_loss(model)
     model.config.use_cache = False  # the KV cache is useless in training and costs memory
     model.train()  # from_pretrained returns eval mode; checkpointing is a no-op there
     if cfg.training.gradient_checkpointing:
@@ -104,6 +106,39 @@ def build_model(cfg: RunConfig):
     return model
 
 
+def cross_entropy(cfg: RunConfig) -> str:
+    """plain or chunked: `auto` is chunked (Liger's fused linear cross-entropy) on a GPU."""
+    choice = cfg.training.cross_entropy
+    if choice == "auto":
+        return "chunked" if device().type == "cuda" and _has_liger() else "plain"
+    if choice == "chunked" and not (device().type == "cuda" and _has_liger()):
+        raise ValueError(
+            "training.cross_entropy: chunked needs a CUDA GPU and liger-kernel (`pip install -e .[gpu]`, Triton-based); "
+            "set training.cross_entropy: plain (or auto) on this machine"
+        )
+    return choice
+
+
+def _has_liger() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("liger_kernel") is not None
+
+
+def use_chunked_loss(model) -> None:
+    """Never materialise vocab x tokens logits: Liger computes lm_head + cross-entropy in chunks.
+
+    Patched on this instance only (rope, norms and MLP stay transformers' own), so the
+    saving measured is the loss alone.
+    """
+    from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
+
+    apply = MODEL_TYPE_TO_APPLY_LIGER_FN.get(model.config.model_type)
+    if apply is None:
+        raise ValueError(f"liger-kernel has no fused cross-entropy for model_type {model.config.model_type!r}; set training.cross_entropy: plain")
+    apply(model=model, fused_linear_cross_entropy=True, cross_entropy=False, rope=False, rms_norm=False, swiglu=False)
+
+
 def check_only_lora_trains(model) -> None:
     """Frozen means frozen: a base weight with requires_grad would add grads and optimizer state."""
     leaked = [n for n, p in model.named_parameters() if p.requires_grad and "lora_" not in n]
@@ -111,13 +146,29 @@ def check_only_lora_trains(model) -> None:
         raise RuntimeError(f"{len(leaked)} non-LoRA parameters require grad (e.g. {leaked[:3]}); only adapters may train")
 
 
-def make_trainer(cfg: RunConfig, model, tokenizer, tok: data.Tokenized, out_dir: Path):
-    from transformers import DataCollatorForSeq2Seq, Trainer, TrainingArguments
+def rows(tok: data.Tokenized) -> list[dict]:
+    return [{"input_ids": i, "labels": l} for i, l in zip(tok.input_ids, tok.labels, strict=True)]
+
+
+def collate(batch: list[dict], pad_id: int) -> dict:
+    """Dynamic padding to the longest row: the batch holding the longest sample is the worst step."""
+    width = max(len(r["input_ids"]) for r in batch)
+    pad = [width - len(r["input_ids"]) for r in batch]
+    return {
+        "input_ids": torch.tensor([r["input_ids"] + [pad_id] * n for r, n in zip(batch, pad, strict=True)]),
+        "labels": torch.tensor([r["labels"] + [-100] * n for r, n in zip(batch, pad, strict=True)]),
+        "attention_mask": torch.tensor([[1] * len(r["input_ids"]) + [0] * n for r, n in zip(batch, pad, strict=True)]),
+    }
+
+
+def make_trainer(cfg: RunConfig, model, train_rows: list[dict], pad_id: int, out_dir: Path, **overrides):
+    """The HF Trainer exactly as training uses it; `overrides` change TrainingArguments (the probe's 2 steps)."""
+    from transformers import Trainer, TrainingArguments
 
     t = cfg.training
     on_gpu = device().type == "cuda"
     dtype = compute_dtype(cfg.model.torch_dtype)
-    args = TrainingArguments(
+    kwargs = dict(
         output_dir=str(out_dir / "checkpoints"),
         per_device_train_batch_size=t.per_device_train_batch_size,
         gradient_accumulation_steps=t.gradient_accumulation_steps,
@@ -147,11 +198,10 @@ def make_trainer(cfg: RunConfig, model, tokenizer, tok: data.Tokenized, out_dir:
         disable_tqdm=False,
         logging_first_step=True,
     )
-    rows = [{"input_ids": i, "labels": l, "attention_mask": [1] * len(i)} for i, l in zip(tok.input_ids, tok.labels, strict=True)]
-    collator = DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100)
+    args = TrainingArguments(**(kwargs | overrides))
     return Trainer(
-        model=model, args=args, train_dataset=rows, data_collator=collator,
-        processing_class=tokenizer, callbacks=[MemoryCallback(out_dir / "memory_steps.jsonl")],
+        model=model, args=args, train_dataset=train_rows, data_collator=lambda b: collate(b, pad_id),
+        callbacks=[MemoryCallback(out_dir / "memory_steps.jsonl")],
     )
 
 
