@@ -37,13 +37,22 @@ ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "d
 NF4_BYTES = {True: 0.5 + 1 / 64 + 4 / (64 * 256), False: 0.5 + 4 / 64}  # 4-bit + absmax (double-quant or fp32)
 OPTIM_BYTES = {"adamw_torch": 8, "adamw_torch_fused": 8, "paged_adamw_8bit": 2, "adamw_8bit": 2, "sgd": 0}
 PROBE_IF_UNDER = 1.25       # probe when the estimate is below this multiple of the budget
-# Fitted to measured peaks (bench/preflight_grid.py); until then, first-principles guesses.
-LOGITS_BYTES_PER_ELEM = 10  # bf16 logits + fp32 upcast + fp32 grad (anchors: 11.5 GiB at 8192 x 152064)
-CHUNKED_BYTES_PER_HIDDEN = 8
-ACT_H, ACT_I, ACT_KV = 10, 4, 4   # elements saved per token per layer, by dimension
-RECOMPUTE_FACTOR = 1.5      # one layer's activations plus their grads during recompute
-MASK_BYTES_PER_ELEM = 1     # bool 4-D padding mask, batch x seq x seq
-ALLOCATOR_OVERHEAD = 0.05   # reserved over allocated with expandable_segments
+# Fitted by bench/fit_preflight.py to 28 measured H200 runs (bench/results/preflight_grid_raw_*.json).
+COEF = dict(
+    save=1.0,           # x L*T*H*act: checkpointed layer inputs (not fitted: exact)
+    work_h=22.606,      # x T*H*act: one layer's hidden-sized tensors + grads during recompute
+    work_i=6.192,       # x T*I*act: its intermediate-sized (MLP) tensors + grads
+    work_d=0.001,       # x T*D bytes: dropout copies of adapted inputs
+    full_h=11.835,      # x L*T*H*act: every layer's hidden-sized saved tensors (no checkpointing)
+    full_i=3.174,       # x L*T*I*act
+    full_d=0.235,       # x L*T*D bytes
+    loss_h=12.236,      # x T*H*act: final norm, head input and their grads around the loss
+    logits=14.07,       # bytes per logit element, plain cross-entropy (bf16 logits, fp32 upcast, fp32 grad)
+    chunked=58.166,     # bytes per hidden element, chunked cross-entropy (Liger's chunk buffers and grads)
+    mask=3.274,         # bytes per element of the batch x seq x seq padding mask
+    frag_logits=0.005,  # reserved - allocated, per plain-CE logit element
+    frag_gib=0.084,     # reserved - allocated, otherwise (expandable_segments)
+)
 
 
 class PreflightError(RuntimeError):
@@ -122,6 +131,7 @@ class LengthScan:
 class Estimate:
     items_gib: dict[str, float]
     total_gib: float
+    items_bytes: dict[str, float] = field(default_factory=dict, repr=False)
 
 
 @dataclass
@@ -178,9 +188,10 @@ def run(cfg: RunConfig, out_dir: Path, gpu_memory_gib: float | None = None) -> P
     (out_dir / "preflight.json").write_text(json.dumps(_jsonable(result), indent=2, default=str))
     print(result.report_md.read_text())
     if not fits:
-        fitting = [s for s in suggestions if s["fits"]]
-        fix = (f"smallest change that fits: {fitting[0]['change']} (estimate {fitting[0]['estimate_gib']:.2f} GiB)"
-               if fitting else "no single change fits: combine QLoRA, a smaller micro-batch and a shorter max_length")
+        best = smallest_fix(suggestions)
+        fix = (f"smallest change that fits: {best['change']} (estimate {best['estimate_gib']:.2f} GiB); in the YAML:\n{best['diff']}\n"
+               f"or on the command line: " + " ".join(f"--set {o}" for o in best["overrides"])
+               if best else "no single change fits: combine QLoRA, a smaller micro-batch and a shorter max_length")
         measured = (f"; the probe ran out of memory ({result_probe.error}), post-mortem {result_probe.postmortem}"
                     if result_probe and not result_probe.ok else "")
         raise PreflightError(
@@ -253,19 +264,25 @@ def scan_lengths(cfg: RunConfig) -> LengthScan:
                       worst_batch_tokens=cfg.training.per_device_train_batch_size * ls[-1])
 
 
-def estimate(cfg: RunConfig, s: Shapes, seq: int, on_gpu: bool) -> Estimate:
+def estimate(cfg: RunConfig, s: Shapes, seq: int, on_gpu: bool, coef: dict | None = None) -> Estimate:
     """Peak memory of one optimizer step on a micro-batch padded to `seq` tokens.
 
-    Terms, in bytes (act = bytes per activation element: 2 for bf16 on GPU, 4 on CPU):
-      weights      linear layers in 16 bits, or NF4 (4 bits + absmax) for QLoRA; embeddings,
-                   lm_head and norms stay 16-bit under bitsandbytes
-      adapters     fp32 LoRA weights + fp32 grads + optimizer states per parameter
-      activations  saved per decoder layer: ACT_H*h + ACT_I*i + ACT_KV*kv elements per token,
-                   plus a copy of each adapted module's input when lora_dropout > 0; with
-                   checkpointing only each layer's input is kept, and one layer is recomputed
-      attention    eager: the seq x seq scores; any padded batch (micro-batch > 1): a 4-D mask
-      logits       plain: tokens x vocab x LOGITS_BYTES_PER_ELEM; chunked: a few hidden-sized rows
+    The peak is the larger of two moments of the step, on top of what persists:
+      persistent   base weights (16-bit, or NF4 + 16-bit embeddings/lm_head/norms for QLoRA),
+                   fp32 adapters + fp32 grads + optimizer states, and the activations kept
+                   for backward: each layer's input under checkpointing, or every layer's
+                   saved tensors without it
+      loss         hidden-sized buffers around the head, and the logits: tokens x vocab
+                   (plain cross-entropy: bf16 logits, fp32 upcast, fp32 grad) or a few
+                   hidden-sized rows (chunked, Liger)
+      layer        under checkpointing, one layer recomputed and back-propagated: its MLP
+                   (intermediate-sized) and attention (hidden-sized) tensors and their grads,
+                   plus the dropout copies of every adapted module's input
+    plus the 4-D padding mask of a padded micro-batch (batch x seq x seq) and the
+    allocator's overhead (reserved - allocated), which plain cross-entropy's large blocks
+    raise. Coefficients (COEF) are fitted to 28 measured H200 runs (bench/fit_preflight.py).
     """
+    k = COEF | (coef or {})
     t, lo, q = cfg.training, cfg.lora, cfg.quantization
     act = compute_dtype(cfg.model.torch_dtype).itemsize if on_gpu else 4
     b = t.per_device_train_batch_size
@@ -282,32 +299,33 @@ def estimate(cfg: RunConfig, s: Shapes, seq: int, on_gpu: bool) -> Estimate:
     lora_params = s.layers * sum(lo.r * (lin[m][0] + lin[m][1]) for m in targets)
     # peft keeps adapters in fp32 (autocast_adapter_dtype): weights 4 + grads 4 + optimizer.
     adapters = lora_params * (8 + OPTIM_BYTES[t.optim])
-    per_token = ACT_H * s.hidden + ACT_I * s.intermediate + ACT_KV * s.kv_heads * s.head_dim
-    if lo.lora_dropout > 0:  # dropout output (act bytes) + its mask (1 byte) per adapted input
-        per_token += sum(lin[m][0] for m in targets) * (1 + 1 / act)
-    layer = tokens * per_token * act
+    dropout_width = sum(lin[m][0] for m in targets) if lo.lora_dropout > 0 else 0
+    h, i = s.hidden, s.intermediate
     if t.gradient_checkpointing:
-        activations = s.layers * tokens * s.hidden * act + RECOMPUTE_FACTOR * layer
+        kept = k["save"] * s.layers * tokens * h * act
+        layer = tokens * (k["work_h"] * h + k["work_i"] * i) * act + k["work_d"] * tokens * dropout_width
     else:
-        activations = s.layers * layer
-    attention = 0.0
-    if cfg.model.attn_implementation == "eager":
-        attention += b * s.heads * seq * seq * act * (2 if t.gradient_checkpointing else 2 * s.layers)
-    if b > 1:
-        attention += b * seq * seq * MASK_BYTES_PER_ELEM
+        kept = s.layers * (tokens * (k["full_h"] * h + k["full_i"] * i) * act + k["full_d"] * tokens * dropout_width)
+        layer = 0.0
     chunked = _loss_mode(cfg, on_gpu) == "chunked"
-    logits = tokens * s.hidden * CHUNKED_BYTES_PER_HIDDEN if chunked else tokens * s.vocab * LOGITS_BYTES_PER_ELEM
+    loss = k["loss_h"] * tokens * h * act + (k["chunked"] * tokens * h if chunked else k["logits"] * tokens * s.vocab)
+    mask = k["mask"] * b * seq * seq if b > 1 else 0.0
+    if cfg.model.attn_implementation == "eager":  # the seq x seq scores, per head, saved per layer
+        mask += b * s.heads * seq * seq * act * (2 if t.gradient_checkpointing else 2 * s.layers)
+    phase, peak = ("loss", loss) if loss >= layer else ("layer recompute + backward", layer)
+    allocated = weights + adapters + kept + peak + mask
+    overhead = (0.0 if chunked else k["frag_logits"] * tokens * s.vocab) + k["frag_gib"] * GIB if on_gpu else 0.0
     items = {
         "base weights" + (" (NF4 + 16-bit embeddings)" if q.load_in_4bit else ""): weights,
         f"LoRA weights+grads+{t.optim} ({lora_params / 1e6:.1f} M params)": adapters,
-        "activations" + (" (checkpointed)" if t.gradient_checkpointing else ""): activations,
-        "attention scores / padding mask": attention,
-        "logits + cross-entropy" + (" (chunked)" if chunked else ""): logits,
+        "activations kept for backward" + (" (layer inputs, checkpointed)" if t.gradient_checkpointing else " (all layers)"): kept,
+        f"peak moment: {phase}" + (" (chunked cross-entropy)" if chunked and phase == "loss" else ""): peak,
+        "padding mask / attention scores": mask,
+        "allocator overhead (reserved - allocated)": overhead,
     }
-    subtotal = sum(items.values())
-    items["allocator overhead"] = subtotal * ALLOCATOR_OVERHEAD if on_gpu else 0
-    gib = {k: round(v / GIB, 4) for k, v in items.items()}
-    return Estimate(gib, round(sum(gib.values()), 4))
+    assert abs(sum(items.values()) - allocated - overhead) < 1e3
+    gib = {key: round(v / GIB, 4) for key, v in items.items()}
+    return Estimate(gib, round(sum(items.values()) / GIB, 4), items)
 
 
 def _loss_mode(cfg: RunConfig, on_gpu: bool) -> str:
@@ -317,29 +335,49 @@ def _loss_mode(cfg: RunConfig, on_gpu: bool) -> str:
 
 
 def suggest(cfg: RunConfig, s: Shapes, lengths: LengthScan, usable: float, on_gpu: bool) -> list[dict]:
-    """Single config changes, each re-estimated; those that fit, smallest first."""
+    """Single config changes, each re-estimated, ranked by predicted saving.
+
+    Each carries `overrides` (for --set), a YAML `diff`, and `rank`: how much it changes
+    the run, lowest first. Same maths, only slower: chunked loss, micro-batch traded for
+    accumulation, checkpointing; then numerics: 8-bit optimizer, QLoRA; last, data: drop.
+    """
     t = cfg.training
-    options = []
-    if not t.gradient_checkpointing:
-        options.append(("training.gradient_checkpointing=true", {"training": {"gradient_checkpointing": True}}, lengths.max))
-    if not cfg.quantization.load_in_4bit:
-        options.append(("quantization.load_in_4bit=true (QLoRA)", {"quantization": {"load_in_4bit": True}}, lengths.max))
+    options = []  # (rank, overrides, seq)
+    if on_gpu and _loss_mode(cfg, on_gpu) == "plain":
+        options.append((0, {"training.cross_entropy": "chunked"}, lengths.max))
     if t.per_device_train_batch_size > 1:
         b = t.per_device_train_batch_size // 2
         ga = t.gradient_accumulation_steps * t.per_device_train_batch_size // b
-        options.append((f"training.per_device_train_batch_size={b} training.gradient_accumulation_steps={ga} (same effective batch)",
-                        {"training": {"per_device_train_batch_size": b, "gradient_accumulation_steps": ga}}, lengths.max))
-    if lengths.p99 < lengths.max:
-        options.append((f"data.max_length={lengths.p99} data.long_sample_policy=drop (drops the longest 1%)",
-                        {"data": {"max_length": lengths.p99, "long_sample_policy": "drop"}}, lengths.p99))
+        options.append((1, {"training.per_device_train_batch_size": b, "training.gradient_accumulation_steps": ga}, lengths.max))
+    if not t.gradient_checkpointing:
+        options.append((2, {"training.gradient_checkpointing": True}, lengths.max))
     if t.optim in ("adamw_torch", "adamw_torch_fused"):
-        options.append(("training.optim=paged_adamw_8bit", {"training": {"optim": "paged_adamw_8bit"}}, lengths.max))
+        options.append((3, {"training.optim": "paged_adamw_8bit"}, lengths.max))
+    if not cfg.quantization.load_in_4bit:
+        options.append((4, {"quantization.load_in_4bit": True}, lengths.max))
+    if lengths.p99 < lengths.max:
+        options.append((5, {"data.max_length": lengths.p99, "data.long_sample_policy": "drop"}, lengths.p99))
+    base = estimate(cfg, s, lengths.max, on_gpu).total_gib
     out = []
-    for label, patch, seq in options:
+    for rank, overrides, seq in options:
+        patch: dict[str, dict] = {}
+        for key, value in overrides.items():
+            section, field_name = key.split(".")
+            patch.setdefault(section, {})[field_name] = value
         changed = cfg.model_copy(update={k: getattr(cfg, k).model_copy(update=v) for k, v in patch.items()})
         total = estimate(changed, s, seq, on_gpu).total_gib
-        out.append({"change": label, "estimate_gib": total, "fits": total <= usable})
-    return sorted([o for o in out if o["fits"]], key=lambda o: -o["estimate_gib"]) + [o for o in out if not o["fits"]]
+        diff = "\n".join(
+            f"{section}:\n" + "\n".join(f"  {k}: {json.dumps(v)}  # was {json.dumps(getattr(getattr(cfg, section), k))}" for k, v in fields.items())
+            for section, fields in patch.items())
+        out.append({"change": " ".join(f"{k}={json.dumps(v)}" for k, v in overrides.items()), "overrides": [f"{k}={json.dumps(v)}" for k, v in overrides.items()],
+                    "diff": diff, "rank": rank, "estimate_gib": total, "saving_gib": round(base - total, 3), "fits": total <= usable})
+    return sorted(out, key=lambda o: -o["saving_gib"])
+
+
+def smallest_fix(suggestions: list[dict]) -> dict | None:
+    """The least invasive change that fits (see `suggest`), or None."""
+    fitting = [x for x in suggestions if x["fits"]]
+    return min(fitting, key=lambda x: (x["rank"], -x["estimate_gib"])) if fitting else None
 
 
 def _budget(requested: float | None) -> tuple[str, float]:
@@ -377,8 +415,10 @@ def render(r: PreflightResult, cfg: RunConfig) -> str:
     if r.notes:
         lines += ["", "Not estimated precisely:", *[f"- {n}" for n in r.notes]]
     if r.suggestions:
-        lines += ["", "| change | estimate GiB | fits |", "|---|---|---|"]
-        lines += [f"| `{s['change']}` | {s['estimate_gib']:.2f} | {'yes' if s['fits'] else 'no'} |" for s in r.suggestions]
+        best = smallest_fix(r.suggestions)
+        lines += ["", "| change (by predicted saving) | saves GiB | estimate GiB | fits |", "|---|---|---|---|"]
+        lines += [f"| `{x['change']}`{' **(smallest that fits)**' if x is best else ''} | {x['saving_gib']:.2f} | {x['estimate_gib']:.2f} | "
+                  f"{'yes' if x['fits'] else 'no'} |" for x in r.suggestions]
     return "\n".join(lines) + "\n"
 
 

@@ -213,6 +213,7 @@ class MemoryCallback(TrainerCallback):
 
     def __init__(self, path: Path) -> None:
         self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
 
     def on_step_end(self, args, state, control, **kwargs):
         row = {"step": state.global_step, "time": round(time.time(), 3)} | {

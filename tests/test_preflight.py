@@ -1,0 +1,135 @@
+"""The analytic preflight model, the dataset scan, the verdict and the fixes (CPU)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from stages import data, preflight
+from stages.config import RunConfig, load_config
+from stages.modelio import load_tokenizer
+from tests.conftest import write_config
+
+TOY = {"model_type": "llama", "vocab_size": 100, "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 2,
+       "num_attention_heads": 2, "num_key_value_heads": 1}
+QWEN7B = {"model_type": "qwen2", "vocab_size": 152064, "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
+          "num_attention_heads": 28, "num_key_value_heads": 4}
+
+
+def cfg(**sections) -> RunConfig:
+    raw = {"model": {"name_or_path": "x", "torch_dtype": "bfloat16"}, "data": {"train_file": "x"}, "handoff": {"model_name": "t"},
+           "lora": {"r": 2, "target_modules": ["q_proj", "v_proj"], "lora_dropout": 0.0},
+           "training": {"per_device_train_batch_size": 1, "gradient_checkpointing": True, "cross_entropy": "plain"}}
+    for k, v in sections.items():
+        raw[k] = raw.get(k, {}) | v
+    return RunConfig.model_validate(raw)
+
+
+def items(est: preflight.Estimate, prefix: str) -> float:
+    return next(v for k, v in est.items_bytes.items() if k.startswith(prefix))
+
+
+def test_weights_and_adapters_match_hand_arithmetic():
+    s = preflight.Shapes.from_config(TOY)
+    est = preflight.estimate(cfg(), s, seq=10, on_gpu=True)
+    # linear: per layer q 8x8 + k 8x4 + v 8x4 + o 8x8 + gate/up/down 3x8x16 = 576, x2 layers;
+    # embeddings + lm_head 2x100x8 + norms 5x8 = 1640; bf16: 2 bytes each
+    assert items(est, "base weights") == (1152 + 1640) * 2
+    # LoRA r=2: q 2x(8+8) + v 2x(8+4) = 56 per layer, x2 = 112 params; fp32 weight 4 + grad 4 + AdamW 8
+    assert items(est, "LoRA") == 112 * 16
+    # checkpointing keeps every layer's input: 2 layers x 10 tokens x 8 x 2 bytes
+    assert items(est, "activations kept") == 2 * 10 * 8 * 2
+    nf4 = preflight.estimate(cfg(quantization={"load_in_4bit": True}), s, seq=10, on_gpu=True)
+    assert items(nf4, "base weights") == pytest.approx(1152 * preflight.NF4_BYTES[True] + 1640 * 2)
+    paged = preflight.estimate(cfg(training={"optim": "paged_adamw_8bit"}), s, seq=10, on_gpu=True)
+    assert items(paged, "LoRA") == 112 * 10
+
+
+def test_r7_weights_match_the_anchor_measurements():
+    """Anchors: R7 bf16 loads at 14.23 GiB allocated, NF4 + double quant at 5.24 GiB."""
+    s = preflight.Shapes.from_config(QWEN7B)
+    bf16 = items(preflight.estimate(cfg(), s, 4096, True), "base weights") / preflight.GIB
+    nf4 = items(preflight.estimate(cfg(quantization={"load_in_4bit": True}), s, 4096, True), "base weights") / preflight.GIB
+    assert bf16 == pytest.approx(14.23, rel=0.01)
+    assert nf4 == pytest.approx(5.24, rel=0.03)
+
+
+@pytest.mark.parametrize("change", [
+    {"seq": 2048}, {"training": {"per_device_train_batch_size": 2}}, {"lora": {"r": 64}},
+    {"lora": {"target_modules": "all-linear"}}, {"training": {"gradient_checkpointing": False}},
+    {"training": {"cross_entropy": "plain"}},
+])
+def test_estimate_grows_with_what_costs_memory(change):
+    s = preflight.Shapes.from_config(QWEN7B)
+    base = {"training": {"cross_entropy": "chunked"}}
+    change = dict(change)
+    seq = change.pop("seq", 1024)
+    sections = {k: base.get(k, {}) | change.get(k, {}) for k in base | change}
+    if change.get("training", {}).get("cross_entropy") == "plain":
+        sections["training"]["cross_entropy"] = "plain"
+    assert preflight.estimate(cfg(**sections), s, seq, True).total_gib > preflight.estimate(cfg(**base), s, 1024, True).total_gib
+
+
+def test_chunked_loss_saves_the_logits_at_152k_vocab():
+    s = preflight.Shapes.from_config(QWEN7B)
+    c2 = {"per_device_train_batch_size": 2}
+    plain = preflight.estimate(cfg(training=c2 | {"cross_entropy": "plain"}), s, 4096, True).total_gib
+    chunked = preflight.estimate(cfg(training=c2 | {"cross_entropy": "chunked"}), s, 4096, True).total_gib
+    assert plain - chunked > 10  # anchors: 11.5 GiB at 2 x 4096
+
+
+def test_unknown_architecture_is_estimated_where_possible_and_says_what_not():
+    gpt = {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "vocab_size": 50257, "n_embd": 768, "n_layer": 12, "n_head": 12}
+    s = preflight.Shapes.from_config(gpt)
+    assert (s.hidden, s.layers, s.heads, s.intermediate) == (768, 12, 12, 4 * 768)
+    assert any("GPT2LMHeadModel" in n and "trust the GPU probe" in n for n in s.unknown)
+    assert any("intermediate_size" in n for n in s.unknown)
+    assert preflight.estimate(cfg(), s, 512, True).total_gib > 0
+
+
+def test_fixes_are_ranked_by_saving_and_the_least_invasive_fitting_one_is_chosen():
+    s = preflight.Shapes.from_config(QWEN7B)
+    c = cfg(training={"per_device_train_batch_size": 2, "cross_entropy": "plain"}, lora={"r": 64, "target_modules": ["q_proj", "v_proj", "o_proj"]})
+    scan = preflight.LengthScan(100, 800, 1000, 1024, 4096, "x:1", [], [], 2 * 4096)
+    sug = preflight.suggest(c, s, scan, usable=23.0, on_gpu=True)
+    assert [x["saving_gib"] for x in sug] == sorted((x["saving_gib"] for x in sug), reverse=True)
+    best = preflight.smallest_fix(sug)
+    assert best["overrides"] == ['training.cross_entropy="chunked"']  # same maths, only the loss is chunked
+    assert "cross_entropy: \"chunked\"  # was \"plain\"" in best["diff"]
+    # with chunked loss already on, a 10 GiB card needs QLoRA, not a change to the data
+    tight = preflight.suggest(cfg(training={"cross_entropy": "chunked", "per_device_train_batch_size": 1}), s, scan, usable=12.0, on_gpu=True)
+    assert preflight.smallest_fix(tight)["overrides"] == ["quantization.load_in_4bit=true"]
+
+
+def test_scan_reports_percentiles_and_worst_batch(tmp_path):
+    c = load_config(write_config(tmp_path))
+    scan = preflight.scan_lengths(c)
+    assert scan.n_samples == 2000 and scan.p50 <= scan.p95 <= scan.p99 <= scan.max == 22
+    assert scan.worst_batch_tokens == 32 * 22 and scan.longest_id.endswith("translate_train.jsonl:2")
+
+
+def test_run_writes_report_and_refuses_with_the_fix(tmp_path):
+    c = load_config(write_config(tmp_path))
+    ok = preflight.run(c, tmp_path / "ok")
+    assert ok.fits and (tmp_path / "ok" / "preflight.md").read_text().startswith("## Preflight: FITS")
+    assert json.loads((tmp_path / "ok" / "preflight.json").read_text())["lengths"]["max"] == 22
+    with pytest.raises(preflight.PreflightError, match=r"(?s)smallest change that fits: .*--set training.per_device_train_batch_size=16"):
+        preflight.run(c, tmp_path / "tight", gpu_memory_gib=0.04)
+
+
+def test_budget_below_the_weights_alone_says_so_in_one_line(tmp_path):
+    c = load_config(write_config(tmp_path))
+    with pytest.raises(preflight.PreflightError) as e:
+        preflight.run(c, tmp_path / "p", gpu_memory_gib=0.005)
+    assert str(e.value).startswith("the base weights alone need 0.01 GiB") and "\n" not in str(e.value)
+
+
+def test_a_sample_the_template_cannot_render_is_named(tmp_path):
+    c = load_config(write_config(tmp_path))
+    tok = load_tokenizer(c.model)
+    tok.chat_template = "{% if 'boom' in messages[0]['content'] %}{{ raise_exception('unsupported') }}{% endif %}" + tok.chat_template
+    f = tmp_path / "d.jsonl"
+    f.write_text(json.dumps({"prompt": "fine", "completion": "ok"}) + "\n" + json.dumps({"prompt": "boom", "completion": "x"}) + "\n")
+    with pytest.raises(data.DataError, match=r"d.jsonl:2: the tokenizer or chat template failed on this sample: .*unsupported"):
+        data.tokenize(data.read_jsonl(f), tok, 64, "error")
