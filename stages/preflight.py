@@ -174,7 +174,8 @@ def run(cfg: RunConfig, out_dir: Path, gpu_memory_gib: float | None = None) -> P
         if weights > usable:
             raise PreflightError(
                 f"the base weights alone need {weights:.2f} GiB, more than the {usable:.2f} GiB usable of {budget:.2f} GiB on {device}; "
-                + ("use a bigger card or several GPUs (FSDP)" if cfg.quantization.load_in_4bit else "set quantization.load_in_4bit: true (QLoRA) or use a bigger card")
+                + ("use a bigger card or several GPUs (FSDP)" if cfg.quantization.load_in_4bit
+                   else "set quantization.load_in_4bit: true (QLoRA) or use a bigger card")
             )
         result_probe = None
         # Probing a run the estimate puts far over budget would only OOM slowly.
@@ -369,8 +370,8 @@ def suggest(cfg: RunConfig, s: Shapes, lengths: LengthScan, usable: float, on_gp
         diff = "\n".join(
             f"{section}:\n" + "\n".join(f"  {k}: {json.dumps(v)}  # was {json.dumps(getattr(getattr(cfg, section), k))}" for k, v in fields.items())
             for section, fields in patch.items())
-        out.append({"change": " ".join(f"{k}={json.dumps(v)}" for k, v in overrides.items()), "overrides": [f"{k}={json.dumps(v)}" for k, v in overrides.items()],
-                    "diff": diff, "rank": rank, "estimate_gib": total, "saving_gib": round(base - total, 3), "fits": total <= usable})
+        sets = [f"{k}={json.dumps(v)}" for k, v in overrides.items()]
+        out.append({"change": " ".join(sets), "overrides": sets, "diff": diff, "rank": rank, "estimate_gib": total, "saving_gib": round(base - total, 3), "fits": total <= usable})
     return sorted(out, key=lambda o: -o["saving_gib"])
 
 
