@@ -371,7 +371,8 @@ def suggest(cfg: RunConfig, s: Shapes, lengths: LengthScan, usable: float, on_gp
             f"{section}:\n" + "\n".join(f"  {k}: {json.dumps(v)}  # was {json.dumps(getattr(getattr(cfg, section), k))}" for k, v in fields.items())
             for section, fields in patch.items())
         sets = [f"{k}={json.dumps(v)}" for k, v in overrides.items()]
-        out.append({"change": " ".join(sets), "overrides": sets, "diff": diff, "rank": rank, "estimate_gib": total, "saving_gib": round(base - total, 3), "fits": total <= usable})
+        out.append({"change": " ".join(sets), "overrides": sets, "diff": diff, "rank": rank, "estimate_gib": total,
+                    "saving_gib": round(base - total, 3), "fits": total <= usable})
     return sorted(out, key=lambda o: -o["saving_gib"])
 
 
