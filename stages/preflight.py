@@ -37,6 +37,7 @@ ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "d
 NF4_BYTES = {True: 0.5 + 1 / 64 + 4 / (64 * 256), False: 0.5 + 4 / 64}  # 4-bit + absmax (double-quant or fp32)
 OPTIM_BYTES = {"adamw_torch": 8, "adamw_torch_fused": 8, "paged_adamw_8bit": 2, "adamw_8bit": 2, "sgd": 0}
 PROBE_IF_UNDER = 1.25       # probe when the estimate is below this multiple of the budget
+CUDA_CONTEXT_GIB = 0.5      # typical CUDA context of a torch process; not in torch's counters (not measured here)
 # Fitted by bench/fit_preflight.py to 28 measured H200 runs (bench/results/preflight_grid_raw_*.json).
 COEF = dict(
     save=1.0,           # x L*T*H*act: checkpointed layer inputs (not fitted: exact)
@@ -167,8 +168,10 @@ def run(cfg: RunConfig, out_dir: Path, gpu_memory_gib: float | None = None) -> P
         shapes = Shapes.from_config(json.loads((resolve_model_dir(cfg.model.name_or_path) / "config.json").read_text()))
         lengths = scan_lengths(cfg)
         device, budget = _budget(gpu_memory_gib or cfg.preflight.gpu_memory_gib)
-        usable = budget * (1 - cfg.preflight.margin)
         on_gpu = device != "cpu"
+        # The CUDA context (driver, kernels) lives outside torch's allocator, which is what
+        # the estimate and the probe measure; on a GPU it comes off the budget first.
+        usable = (budget - (CUDA_CONTEXT_GIB if on_gpu else 0.0)) * (1 - cfg.preflight.margin)
         est = estimate(cfg, shapes, lengths.max, on_gpu=on_gpu)
         weights = next(v for k, v in est.items_gib.items() if k.startswith("base weights"))
         if weights > usable:
@@ -356,6 +359,8 @@ def suggest(cfg: RunConfig, s: Shapes, lengths: LengthScan, usable: float, on_gp
         options.append((3, {"training.optim": "paged_adamw_8bit"}, lengths.max))
     if not cfg.quantization.load_in_4bit:
         options.append((4, {"quantization.load_in_4bit": True}, lengths.max))
+    if cfg.lora.r > 8:  # less adapter capacity: changes what the run can learn
+        options.append((4, {"lora.r": cfg.lora.r // 2}, lengths.max))
     if lengths.p99 < lengths.max:
         options.append((5, {"data.max_length": lengths.p99, "data.long_sample_policy": "drop"}, lengths.p99))
     base = estimate(cfg, s, lengths.max, on_gpu).total_gib
@@ -398,7 +403,8 @@ def render(r: PreflightResult, cfg: RunConfig) -> str:
     verdict = "FITS" if r.fits else "DOES NOT FIT"
     lines = [
         f"## Preflight: {verdict} — {r.estimate.total_gib:.3f} GiB estimated / {r.usable_gib:.2f} GiB usable "
-        f"({r.budget_gib:.2f} GiB on {r.device}, margin {cfg.preflight.margin:.0%})",
+        f"({r.budget_gib:.2f} GiB on {r.device}, margin {cfg.preflight.margin:.0%}"
+        + (f", CUDA context {CUDA_CONTEXT_GIB} GiB)" if r.device != "cpu" else ")"),
         "",
         f"Worst micro-batch: {cfg.training.per_device_train_batch_size} x {L.max} tokens (longest sample {L.longest_id}). "
         f"Lengths over {L.n_samples} samples: p50 {L.p50}, p95 {L.p95}, p99 {L.p99}, max {L.max}. "
