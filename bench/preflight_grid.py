@@ -114,7 +114,7 @@ def measure(cfg: RunConfig, seq: int, vocab: int, steps: int = 20) -> dict:
     torch.cuda.reset_peak_memory_stats()
     model = train.build_model(cfg)
     weights = torch.cuda.memory_allocated() / GIB
-    trainer = train.make_trainer(cfg, model, rows, 0, Path("/tmp/bench-train"), max_steps=steps, save_strategy="no",
+    trainer = train.make_trainer(cfg, model, rows, train.Collator(0), Path("/tmp/bench-train"), max_steps=steps, save_strategy="no",
                                  logging_steps=5, disable_tqdm=True)
     t0 = time.perf_counter()
     trainer.train()

@@ -34,6 +34,17 @@ def publish_memory(stage: str, report: MemoryReport | None) -> None:
     create_table_artifact([row], key=f"memory-{stage}", description=f"Memory of the {stage} stage (GiB; peak_gib is the headline)")
 
 
+def publish_memory_timeline(steps_file, png) -> None:
+    """Per-step memory of training as a table (at most 100 rows) pointing at the PNG timeline."""
+    if not steps_file.is_file():
+        return
+    import json
+
+    rows = [json.loads(line) for line in steps_file.read_text().splitlines()]
+    every = max(1, len(rows) // 100)
+    create_table_artifact(rows[::every], key="memory-steps-train", description=f"Memory per optimizer step (every {every}); plot: {png}")
+
+
 def stage(name: str, fn):
     """A task that runs one stage function and publishes its memory artifact."""
 
@@ -68,6 +79,7 @@ def train_and_export(config: str = "configs/default.yaml", overrides: list[str] 
     create_markdown_artifact(pre.report_md.read_text(), key="preflight-report", description="Preflight memory estimate")
     # 2. LoRA / QLoRA adapter, resumable from checkpoints.
     tr = train_task(cfg, paths.stage("train"))
+    publish_memory_timeline(paths.stage("train") / "memory_steps.jsonl", tr.memory_png)
     # 3. Adapter merged into the 16-bit base.
     mg = merge_task(cfg, tr.adapter_dir, paths.stage("merge"))
     # 4. GGUF f16 -> Q4_K_M, Q5_K_S, each verified.

@@ -75,7 +75,7 @@ class DataSection(Section):
 class LoraSection(Section):
     """peft.LoraConfig fields, passed through unchanged."""
 
-    r: int = Field(16, gt=0, description="Rank; higher adds capacity and memory.")
+    r: int = Field(16, gt=0, le=4096, description="Rank; higher adds capacity and memory.")
     lora_alpha: float = Field(32, gt=0, description="Scale = lora_alpha / r.")
     lora_dropout: float = Field(0.05, ge=0, lt=1, description="Dropout on the adapter input; 0 skips a copy of each input.")
     target_modules: list[str] | Literal["all-linear"] = Field(
@@ -100,7 +100,7 @@ class TrainingSection(Section):
 
     per_device_train_batch_size: int = Field(8, gt=0, description="Micro-batch; memory grows with it.")
     gradient_accumulation_steps: int = Field(1, gt=0, description="Effective batch = micro-batch x this.")
-    learning_rate: float = Field(2e-4, gt=0, description="Peak learning rate of the adapter.")
+    learning_rate: float = Field(2e-4, gt=0, le=1.0, description="Peak learning rate of the adapter.")
     lr_scheduler_type: Literal["linear", "cosine", "constant", "constant_with_warmup"] = Field("linear", description="Decay after warmup.")
     warmup_steps: int = Field(0, ge=0, description="Linear warmup from 0 to learning_rate.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay on the adapter.")

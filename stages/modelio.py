@@ -75,6 +75,18 @@ def load_tokenizer(model: ModelSection):
     return tok
 
 
+def _check_bitsandbytes() -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise ValueError(
+            "quantization.load_in_4bit (QLoRA) needs bitsandbytes, which is not installed: `pip install bitsandbytes==0.50.2` "
+            "(bash scripts/install.sh installs it), or set quantization.load_in_4bit: false"
+        )
+    if not torch.cuda.is_available() and torch.backends.mps.is_available():
+        raise ValueError("quantization.load_in_4bit: bitsandbytes NF4 runs on CUDA and CPU, not on Apple MPS; set it to false")
+
+
 def load_base(model: ModelSection, quant: QuantizationSection, *, quantized: bool | None = None):
     """The frozen base, in train-ready form: 16-bit or (QLoRA) NF4, on the one device.
 
@@ -86,6 +98,7 @@ def load_base(model: ModelSection, quant: QuantizationSection, *, quantized: boo
     dtype = compute_dtype(model.torch_dtype)
     kwargs = {}
     if quant.load_in_4bit if quantized is None else quantized:
+        _check_bitsandbytes()
         cdt = dtype if quant.bnb_4bit_compute_dtype == "auto" else getattr(torch, quant.bnb_4bit_compute_dtype)
         kwargs["quantization_config"] = BitsAndBytesConfig(
             load_in_4bit=True,

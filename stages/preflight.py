@@ -237,7 +237,7 @@ def probe(cfg: RunConfig, worst_len: int, cap_gib: float, out_dir: Path) -> Prob
                 ids = torch.randint(3, vocab, (n,), generator=gen).tolist()
                 rows.append({"input_ids": ids, "labels": ids})
         trainer = train.make_trainer(
-            cfg, model, rows, pad_id=0, out_dir=out_dir / "probe", max_steps=2, gradient_accumulation_steps=1,
+            cfg, model, rows, train.Collator(0), out_dir / "probe", max_steps=2, gradient_accumulation_steps=1,
             train_sampling_strategy="sequential", save_strategy="no", logging_steps=1000, disable_tqdm=True, logging_first_step=False,
         )
         trainer.train()

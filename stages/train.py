@@ -22,7 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -47,10 +47,28 @@ class TrainResult:
     loss_png: Path
     memory: MemoryReport | None
     skipped: bool = False      # the adapter was already there
+    oom_recoveries: list = field(default_factory=list)  # each: step, post-mortem, new micro-batch
+    memory_png: Path | None = None
 
 
-def run(cfg: RunConfig, out_dir: Path) -> TrainResult:
-    """Train the adapter into <out_dir>/adapter; resume from <out_dir>/checkpoints if present."""
+MAX_OOM_RETRIES = 2  # each halves the micro-batch and doubles accumulation
+
+
+class TrainOOMError(RuntimeError):
+    """CUDA ran out of memory and halving the micro-batch did not help (or cannot)."""
+
+
+def run(cfg: RunConfig, out_dir: Path, *, inject_oom_at: int | None = None) -> TrainResult:
+    """Train the adapter into <out_dir>/adapter; resume from <out_dir>/checkpoints if present.
+
+    On a CUDA out-of-memory error: write <out_dir>/oom-postmortem-<n>.json, then resume from
+    the last checkpoint with half the micro-batch and twice the accumulation (the same
+    effective batch and optimizer step), up to MAX_OOM_RETRIES times.
+
+    Args:
+        inject_oom_at: test hook; raise torch.OutOfMemoryError when optimizer step N begins
+            (first attempt only).
+    """
     out_dir = Path(out_dir)
     done = out_dir / "train_result.json"
     if done.is_file() and (out_dir / "adapter" / "adapter_config.json").is_file():
@@ -60,17 +78,49 @@ def run(cfg: RunConfig, out_dir: Path) -> TrainResult:
     tokenizer = load_tokenizer(cfg.model)
     samples = data.read_jsonl(cfg.data.train_file)
     tok = data.tokenize(samples, tokenizer, cfg.data.max_length, cfg.data.long_sample_policy)
+    train_rows = rows(tok)
+    attempt_cfg, recoveries = cfg, []
     with memory.track("train", out_dir) as meter:
-        model = build_model(cfg)
-        trainer = make_trainer(cfg, model, rows(tok), tokenizer.pad_token_id, out_dir)
-        resume = last_checkpoint(out_dir / "checkpoints")
-        if resume:
-            print(f"train: resuming from {resume}")
-        t0 = time.perf_counter()
-        trainer.train(resume_from_checkpoint=str(resume) if resume else None)
+        while True:
+            model = build_model(attempt_cfg)
+            collator = Collator(tokenizer.pad_token_id)
+            hooks = [InjectOOM(inject_oom_at)] if inject_oom_at and not recoveries else []
+            trainer = make_trainer(attempt_cfg, model, train_rows, collator, out_dir, callbacks=hooks)
+            resume = last_checkpoint(out_dir / "checkpoints")
+            if resume:
+                print(f"train: resuming from {resume}")
+            t0 = time.perf_counter()
+            try:
+                trainer.train(resume_from_checkpoint=str(resume) if resume else None)
+                break
+            except torch.OutOfMemoryError as e:
+                report = postmortem(e, attempt_cfg, trainer, model, collator, out_dir / f"oom-postmortem-{len(recoveries) + 1}.json")
+                del trainer, model
+                _free_cuda()
+                b = attempt_cfg.training.per_device_train_batch_size
+                if len(recoveries) >= MAX_OOM_RETRIES or b == 1:
+                    raise TrainOOMError(
+                        f"CUDA out of memory at step {report['step']} with micro-batch {b} (rows {report['batch']['ids'][:4]}); "
+                        f"{'no smaller micro-batch is possible' if b == 1 else f'{MAX_OOM_RETRIES} retries used'}. "
+                        f"Post-mortem: {report['path']}. Run the preflight with this budget to get a change that fits."
+                    ) from e
+                attempt_cfg = halve_micro_batch(attempt_cfg)
+                t = attempt_cfg.training
+                recoveries.append({"step": report["step"], "postmortem": report["path"], "resumed_from": str(last_checkpoint(out_dir / "checkpoints")),
+                                   "per_device_train_batch_size": t.per_device_train_batch_size, "gradient_accumulation_steps": t.gradient_accumulation_steps})
+                print(f"train: CUDA OOM at step {report['step']}; post-mortem {report['path']}; resuming with micro-batch "
+                      f"{t.per_device_train_batch_size} x accumulation {t.gradient_accumulation_steps}")
+            except RuntimeError as e:
+                if is_dataloader_shm_error(e):
+                    raise RuntimeError(
+                        f"not a GPU out-of-memory: a DataLoader worker ran out of shared memory (/dev/shm) ({e}); "
+                        "keep dataloader workers at 0 or give the container more /dev/shm (docker --shm-size)"
+                    ) from e
+                raise
         wall = time.perf_counter() - t0
         model.save_pretrained(out_dir / "adapter", safe_serialization=True)
         meter.extra["steps_this_process"] = trainer.state.global_step - (_step_of(resume) if resume else 0)
+        meter.extra["oom_recoveries"] = recoveries
     losses = [e for e in trainer.state.log_history if "loss" in e]
     tokens = int(trainer.state.num_input_tokens_seen) if trainer.state.num_input_tokens_seen else sum(tok.lengths)
     result = TrainResult(
@@ -84,14 +134,71 @@ def run(cfg: RunConfig, out_dir: Path) -> TrainResult:
         resumed_from=str(resume) if resume else None,
         loss_png=plot_loss(losses, out_dir),
         memory=meter.report,
+        oom_recoveries=recoveries,
+        memory_png=plot_memory(out_dir, _budget_gib(cfg)),
     )
     done.write_text(json.dumps(_jsonable(result), indent=2))
     return result
 
 
+def halve_micro_batch(cfg: RunConfig) -> RunConfig:
+    t = cfg.training
+    b = max(1, t.per_device_train_batch_size // 2)
+    ga = t.gradient_accumulation_steps * t.per_device_train_batch_size // b
+    return cfg.model_copy(update={"training": t.model_copy(update={"per_device_train_batch_size": b, "gradient_accumulation_steps": ga})})
+
+
+def postmortem(err: BaseException, cfg: RunConfig, trainer, model, collator: Collator, path: Path) -> dict:
+    """What was in memory when it ran out: the batch, the allocator, what requires grad."""
+    stats = memory.stats()
+    leaked = [n for n, p in model.named_parameters() if p.requires_grad and "lora_" not in n]
+    report = {
+        "path": str(path),
+        "error": str(err).split("\n")[0][:500],
+        "step": trainer.state.global_step + 1,
+        "batch": collator.last,
+        "per_device_train_batch_size": cfg.training.per_device_train_batch_size,
+        "gradient_accumulation_steps": cfg.training.gradient_accumulation_steps,
+        "memory_gib": stats,
+        "fragmentation_gib": (stats["reserved_gib"] - stats["alloc_gib"]) if "reserved_gib" in stats else None,
+        "non_lora_params_requiring_grad": leaked[:20],
+        "trainable_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
+    }
+    if torch.cuda.is_available():
+        report["memory_summary"] = torch.cuda.memory_summary()
+    path.write_text(json.dumps(report, indent=2))
+    return report
+
+
+def is_dataloader_shm_error(e: BaseException) -> bool:
+    text = str(e).lower()
+    return "dataloader worker" in text and ("shared memory" in text or "bus error" in text or "shm" in text)
+
+
+def _free_cuda() -> None:
+    import gc
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+class InjectOOM(TrainerCallback):
+    """Test hook: a CUDA out-of-memory error at the start of optimizer step `step`."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if state.global_step + 1 == self.step:
+            raise torch.OutOfMemoryError(f"injected CUDA out of memory at step {self.step} (test hook)")
+        return control
+
+
 def build_model(cfg: RunConfig):
     """Frozen base + LoRA adapter, in train mode, checkpointing set up the way that works."""
     from peft import LoraConfig, get_peft_model
+    from transformers import set_seed
 
     model = load_base(cfg.model, cfg.quantization)
     if cross_entropy(cfg) == "chunked":
@@ -101,9 +208,29 @@ def build_model(cfg: RunConfig):
     if cfg.training.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.enable_input_require_grads()
-    model = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", **cfg.lora.model_dump()))
+    # The adapter's random init draws from the global RNG: seed it here, not only in the
+    # Trainer (created later), or two runs of one config start from different adapters.
+    set_seed(cfg.training.seed)
+    try:
+        model = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", **cfg.lora.model_dump()))
+    except ValueError as e:
+        if "not found in the base model" not in str(e) and "Target modules" not in str(e):
+            raise
+        raise ValueError(
+            f"lora.target_modules {cfg.lora.target_modules} match no module of {type(model).__name__}; "
+            f"its linear modules are: {sorted(linear_module_names(model))} (or use all-linear)"
+        ) from None
     check_only_lora_trains(model)
     return model
+
+
+def linear_module_names(model) -> set[str]:
+    """Leaf names of the linear layers LoRA can adapt (16-bit or bitsandbytes 4-bit)."""
+    names = set()
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) or type(module).__name__ in ("Linear4bit", "Linear8bitLt"):
+            names.add(name.rsplit(".", 1)[-1])
+    return names
 
 
 def cross_entropy(cfg: RunConfig) -> str:
@@ -147,21 +274,30 @@ def check_only_lora_trains(model) -> None:
 
 
 def rows(tok: data.Tokenized) -> list[dict]:
-    return [{"input_ids": i, "labels": l} for i, l in zip(tok.input_ids, tok.labels, strict=True)]
+    return [{"input_ids": i, "labels": l, "id": sid} for i, l, sid in zip(tok.input_ids, tok.labels, tok.ids, strict=True)]
 
 
-def collate(batch: list[dict], pad_id: int) -> dict:
-    """Dynamic padding to the longest row: the batch holding the longest sample is the worst step."""
-    width = max(len(r["input_ids"]) for r in batch)
-    pad = [width - len(r["input_ids"]) for r in batch]
-    return {
-        "input_ids": torch.tensor([r["input_ids"] + [pad_id] * n for r, n in zip(batch, pad, strict=True)]),
-        "labels": torch.tensor([r["labels"] + [-100] * n for r, n in zip(batch, pad, strict=True)]),
-        "attention_mask": torch.tensor([[1] * len(r["input_ids"]) + [0] * n for r, n in zip(batch, pad, strict=True)]),
-    }
+class Collator:
+    """Dynamic padding to the longest row (the batch holding the longest sample is the worst
+    step); remembers the last batch's shape and sample ids for an OOM post-mortem."""
+
+    def __init__(self, pad_id: int) -> None:
+        self.pad_id = pad_id
+        self.last: dict = {}
+
+    def __call__(self, batch: list[dict]) -> dict:
+        width = max(len(r["input_ids"]) for r in batch)
+        pad = [width - len(r["input_ids"]) for r in batch]
+        self.last = {"shape": [len(batch), width], "ids": [r.get("id") for r in batch]}
+        return {
+            "input_ids": torch.tensor([r["input_ids"] + [self.pad_id] * n for r, n in zip(batch, pad, strict=True)]),
+            "labels": torch.tensor([r["labels"] + [-100] * n for r, n in zip(batch, pad, strict=True)]),
+            "attention_mask": torch.tensor([[1] * len(r["input_ids"]) + [0] * n for r, n in zip(batch, pad, strict=True)]),
+        }
 
 
-def make_trainer(cfg: RunConfig, model, train_rows: list[dict], pad_id: int, out_dir: Path, **overrides):
+def make_trainer(cfg: RunConfig, model, train_rows: list[dict], collator: Collator, out_dir: Path,
+                 callbacks: list | None = None, **overrides):
     """The HF Trainer exactly as training uses it; `overrides` change TrainingArguments (the probe's 2 steps)."""
     from transformers import Trainer, TrainingArguments
 
@@ -200,8 +336,9 @@ def make_trainer(cfg: RunConfig, model, train_rows: list[dict], pad_id: int, out
     )
     args = TrainingArguments(**(kwargs | overrides))
     return Trainer(
-        model=model, args=args, train_dataset=train_rows, data_collator=lambda b: collate(b, pad_id),
-        callbacks=[MemoryCallback(out_dir / "memory_steps.jsonl")],
+        model=model, args=args, train_dataset=train_rows,
+        data_collator=collator,
+        callbacks=[MemoryCallback(out_dir / "memory_steps.jsonl"), *(callbacks or [])],
     )
 
 
@@ -234,6 +371,38 @@ def _step_of(p: Path) -> int:
     return int(p.name.rsplit("-", 1)[1])
 
 
+def _budget_gib(cfg: RunConfig) -> float | None:
+    if cfg.preflight.gpu_memory_gib:
+        return cfg.preflight.gpu_memory_gib
+    return torch.cuda.get_device_properties(0).total_memory / memory.GIB if torch.cuda.is_available() else None
+
+
+def plot_memory(out_dir: Path, budget_gib: float | None) -> Path | None:
+    """memory_steps.jsonl as a timeline: what torch allocated/reserved (GPU) or RSS (CPU), and the budget."""
+    path = out_dir / "memory_steps.jsonl"
+    if not path.is_file():
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [json.loads(line) for line in path.read_text().splitlines()]
+    keys = [k for k in ("alloc_gib", "reserved_gib", "peak_reserved_gib", "nvml_used_gib") if k in steps[0]] or ["rss_gib", "peak_rss_gib"]
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    for k in keys:
+        ax.plot([r["step"] for r in steps], [r.get(k) for r in steps], label=k.removesuffix("_gib"))
+    if budget_gib:
+        ax.axhline(budget_gib, color="red", linestyle="--", label=f"budget {budget_gib:.1f} GiB")
+    ax.set(xlabel="optimizer step", ylabel="GiB", title="train memory per step")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out_dir / "memory.png", dpi=100)
+    plt.close(fig)
+    return out_dir / "memory.png"
+
+
 def plot_loss(losses: list[dict], out_dir: Path) -> Path:
     import matplotlib
 
@@ -264,7 +433,7 @@ def _load_result(path: Path) -> TrainResult:
     mem = d.pop("memory")
     mem.pop("peak_gib", None)
     return TrainResult(
-        **{k: Path(v) if k in ("adapter_dir", "loss_png") else v for k, v in d.items() if k != "skipped"},
+        **{k: Path(v) if k in ("adapter_dir", "loss_png", "memory_png") and v else v for k, v in d.items() if k != "skipped"},
         memory=MemoryReport(**mem) if mem else None,
         skipped=True,
     )

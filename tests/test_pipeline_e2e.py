@@ -66,7 +66,7 @@ def test_every_stage_has_memory_json_and_a_prefect_artifact(e2e):
 
     found = asyncio.run(keys())
     assert {f"memory-{s}" for s in STAGES} <= found, found
-    assert {"run-summary", "preflight-report", "smoke-results"} <= found
+    assert {"run-summary", "preflight-report", "smoke-results", "memory-steps-train"} <= found
 
 
 def test_bundle_checksums_verify_and_manifest_is_complete(e2e):

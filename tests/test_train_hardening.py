@@ -1,0 +1,87 @@
+"""Training that survives: OOM post-mortem and recovery, exact resume after kill -9, clear errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from stages import train
+from stages.config import ConfigError, load_config
+from tests.conftest import REPO, write_config
+
+pytestmark = pytest.mark.slow
+SHORT = {"max_steps": 8, "save_steps": 2, "logging_steps": 1, "per_device_train_batch_size": 8, "warmup_steps": 0}
+
+
+def test_memory_lines_and_timeline_plot(tmp_path):
+    cfg = load_config(write_config(tmp_path, training=SHORT | {"max_steps": 3}))
+    r = train.run(cfg, tmp_path / "train")
+    lines = [json.loads(x) for x in (tmp_path / "train" / "memory_steps.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == [1, 2, 3] and all(x["rss_gib"] > 0.1 for x in lines)
+    assert r.memory_png and r.memory_png.stat().st_size > 5000
+
+
+def test_injected_oom_writes_a_postmortem_and_resumes_with_half_the_micro_batch(tmp_path):
+    cfg = load_config(write_config(tmp_path, training=SHORT))
+    r = train.run(cfg, tmp_path / "train", inject_oom_at=5)
+    assert r.steps == 8
+    (rec,) = r.oom_recoveries
+    assert rec["step"] == 5 and rec["resumed_from"].endswith("checkpoint-4")
+    assert (rec["per_device_train_batch_size"], rec["gradient_accumulation_steps"]) == (4, 2)  # same effective batch
+    pm = json.loads((tmp_path / "train" / "oom-postmortem-1.json").read_text())
+    assert pm["step"] == 5 and pm["batch"]["shape"][0] == 8 and len(pm["batch"]["ids"]) == 8
+    assert all(".jsonl:" in i for i in pm["batch"]["ids"])  # sample ids, file:line
+    assert pm["non_lora_params_requiring_grad"] == [] and "injected" in pm["error"]
+    assert json.loads((tmp_path / "train" / "memory.json").read_text())["extra"]["oom_recoveries"][0]["step"] == 5
+
+
+def test_oom_at_micro_batch_one_gives_up_with_the_postmortem(tmp_path):
+    cfg = load_config(write_config(tmp_path, training=SHORT | {"per_device_train_batch_size": 1}))
+    with pytest.raises(train.TrainOOMError, match=r"step 3 with micro-batch 1 .*no smaller micro-batch.*oom-postmortem-1.json"):
+        train.run(cfg, tmp_path / "train", inject_oom_at=3)
+
+
+def test_kill_9_then_rerun_equals_an_uninterrupted_run_bit_for_bit(tmp_path):
+    over = SHORT | {"max_steps": 12, "save_steps": 3}
+    cfg_path = write_config(tmp_path, training=over)
+    straight = tmp_path / "straight"
+    train.run(load_config(cfg_path), straight)
+
+    crashed = tmp_path / "crashed"
+    cmd = [sys.executable, "-m", "stages.train", "--config", str(cfg_path), "--out", str(crashed)]
+    env = os.environ | {"OMP_NUM_THREADS": str(torch.get_num_threads())}
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while not (crashed / "checkpoints" / "checkpoint-6" / "trainer_state.json").is_file():
+        assert proc.poll() is None and time.time() < deadline, "training ended before it could be killed"
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not (crashed / "adapter").exists()
+    subprocess.run(cmd, cwd=REPO, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    result = json.loads((crashed / "train_result.json").read_text())
+    assert result["resumed_from"].endswith(("checkpoint-6", "checkpoint-9")) and result["steps"] == 12
+    a = load_file(straight / "adapter" / "adapter_model.safetensors")
+    b = load_file(crashed / "adapter" / "adapter_model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_target_modules_that_match_nothing_list_the_linear_modules(tmp_path):
+    cfg = load_config(write_config(tmp_path, lora={"target_modules": ["query", "value"]}))
+    with pytest.raises(ValueError, match=r"match no module of LlamaForCausalLM; its linear modules are: .*'q_proj'.*'v_proj'"):
+        train.build_model(cfg)
+
+
+def test_out_of_range_learning_rate_and_rank_fail_validation(tmp_path):
+    with pytest.raises(ConfigError, match=r"training.learning_rate: Input should be less than or equal to 1"):
+        load_config(write_config(tmp_path, training={"learning_rate": 3}))
+    with pytest.raises(ConfigError, match=r"lora.r: Input should be greater than 0"):
+        load_config(write_config(tmp_path, lora={"r": 0}))
