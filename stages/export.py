@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from stages import data, llamacpp, memory
@@ -86,7 +86,7 @@ def run(cfg: RunConfig, merged_dir: Path, out_dir: Path) -> ExportResult:
             files.append(GgufFile(quant, path, QUANT_FTYPES[quant], round(path.stat().st_size / 2**20, 3), llamacpp.type_counts(info)))
             print(f"export: {path.name} {files[-1].size_mib:.1f} MiB {files[-1].tensor_types}")
     result = ExportResult(base, files, llamacpp.runtime_version(), meter.report, checks=checks)
-    done.write_text(json.dumps(_jsonable(result), indent=2))
+    done.write_text(json.dumps(memory.jsonable(result), indent=2))
     return result
 
 
@@ -171,12 +171,6 @@ def check_tokenization(gguf_path: Path, tokenizer, texts: list[str]) -> dict:
 def _eval_texts(cfg: RunConfig, tokenizer, n: int = 20) -> list[str]:
     source = cfg.data.eval_file or cfg.data.train_file
     return [tokenizer.apply_chat_template(list(s.messages), tokenize=False) for s in data.read_jsonl(source)[:n]]
-
-
-def _jsonable(r: ExportResult) -> dict:
-    d = asdict(r)
-    d["memory"] = r.memory.to_json() if r.memory else None
-    return json.loads(json.dumps(d, default=str))
 
 
 def _load(path: Path) -> ExportResult:

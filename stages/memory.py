@@ -5,7 +5,7 @@ stage boundary, and on exit writes `<stage_dir>/memory.json` covering that stage
 
 On CPU the figure is the process's peak resident set (VmHWM), reset per stage through
 /proc/self/clear_refs, labelled `peak_rss_gib`; child processes (the GGUF converter) are
-measured from /proc while they run and reported as `child_peak_rss_gib`. On CUDA: torch's peak
+measured through a small launcher (stages/peak_rss.py) and reported as `child_peak_rss_gib`. On CUDA: torch's peak
 allocated / reserved / active and NVML's device-wide used memory, which also counts
 llama.cpp and other processes that torch cannot see.
 """
@@ -15,6 +15,8 @@ from __future__ import annotations
 import json
 import resource
 import subprocess
+import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -45,6 +47,14 @@ class MemoryReport:
 
     def to_json(self) -> dict:
         return asdict(self) | {"peak_gib": self.peak_gib}
+
+
+def jsonable(result) -> dict:
+    """A stage's result dataclass as JSON-ready data, its MemoryReport with the headline peak."""
+    d = asdict(result)
+    if getattr(result, "memory", None) is not None:
+        d["memory"] = result.memory.to_json()
+    return json.loads(json.dumps(d, default=str))
 
 
 def _read_status_kib(key: str, pid: int | str = "self") -> int | None:
@@ -140,25 +150,18 @@ class track:
         self._t0 = time.perf_counter()
         return self
 
-    def run(self, cmd: list[str], poll_s: float = 0.05, **kwargs) -> subprocess.CompletedProcess:
+    def run(self, cmd: list[str], **kwargs) -> subprocess.CompletedProcess:
         """subprocess.run(cmd) that also records the child's own peak RSS.
 
-        The child's VmHWM is read from /proc while it runs; the last reading is kept. Not
-        ru_maxrss from wait4: on Linux that counts the parent's pages shared at fork
-        (0.7 GiB of torch for a 0.4 GiB child, measured), not the child's own peak.
+        Through stages/peak_rss.py: ru_maxrss of a child forked from this (large) process
+        would count the pages it shared at fork (0.7 GiB of torch for a 0.4 GiB child).
         """
-        proc = subprocess.Popen(cmd, **kwargs)
-        last_kib = None
-        try:
-            while proc.poll() is None:
-                last_kib = _read_status_kib("VmHWM", proc.pid) or last_kib
-                time.sleep(poll_s)
-        except BaseException:
-            proc.kill()
-            proc.wait()
-            raise
-        if last_kib is not None:
-            self.child_peak_gib = max(self.child_peak_gib or 0.0, last_kib * 1024 / GIB)
+        with tempfile.NamedTemporaryFile("r", suffix=".kib") as peak:
+            launcher = [sys.executable, str(Path(__file__).with_name("peak_rss.py")), peak.name, "--", *cmd]
+            proc = subprocess.run(launcher, **kwargs)
+            text = Path(peak.name).read_text().strip()
+        if text:
+            self.child_peak_gib = max(self.child_peak_gib or 0.0, int(text) * 1024 / GIB)
         return subprocess.CompletedProcess(cmd, proc.returncode)
 
     def __exit__(self, *exc) -> None:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from stages import data, memory
@@ -189,7 +189,7 @@ def run(cfg: RunConfig, out_dir: Path, gpu_memory_gib: float | None = None) -> P
     result = PreflightResult(fits, device, round(budget, 3), round(usable, 3), est, lengths, suggestions,
                              out_dir / "preflight.md", meter.report, probe=result_probe, notes=shapes.unknown)
     result.report_md.write_text(render(result, cfg))
-    (out_dir / "preflight.json").write_text(json.dumps(_jsonable(result), indent=2, default=str))
+    (out_dir / "preflight.json").write_text(json.dumps(memory.jsonable(result), indent=2, default=str))
     print(result.report_md.read_text())
     if not fits:
         best = smallest_fix(suggestions)
@@ -428,12 +428,6 @@ def render(r: PreflightResult, cfg: RunConfig) -> str:
         lines += [f"| `{x['change']}`{' **(smallest that fits)**' if x is best else ''} | {x['saving_gib']:.2f} | {x['estimate_gib']:.2f} | "
                   f"{'yes' if x['fits'] else 'no'} |" for x in r.suggestions]
     return "\n".join(lines) + "\n"
-
-
-def _jsonable(r: PreflightResult) -> dict:
-    d = asdict(r)
-    d["memory"] = r.memory.to_json() if r.memory else None
-    return json.loads(json.dumps(d, default=str))
 
 
 def main(argv: list[str] | None = None) -> None:

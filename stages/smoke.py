@@ -21,7 +21,7 @@ import argparse
 import json
 import re
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 from stages import data, llamacpp, memory
@@ -88,7 +88,7 @@ def run(cfg: RunConfig, gguf_files: list[tuple[str, Path]], out_dir: Path) -> Sm
         return next((e for e in r.examples if not e["ok"]), r.examples[0])
 
     result = SmokeResult(results, meter.report, passed=not failed)
-    (out_dir / "smoke_result.json").write_text(json.dumps(_jsonable(result), indent=2))
+    (out_dir / "smoke_result.json").write_text(json.dumps(memory.jsonable(result), indent=2))
     if failed:
         raise SmokeError("; ".join(
             f"{r.path.name}: {r.passed}/{r.n_prompts} prompts passed ({r.accuracy:.0%} < smoke.min_accuracy "
@@ -166,12 +166,6 @@ def smoke_file(s: SmokeSection, quant: str, path: Path, prompts: list[data.Sampl
         gen_tokens_per_s=round(g_tok / (g_ms / 1000), 1) if g_ms else 0.0,
         load_s=round(load_s, 3), device_used_gib=used[0] if used else None, examples=examples,
     )
-
-
-def _jsonable(r: SmokeResult) -> dict:
-    d = asdict(r)
-    d["memory"] = r.memory.to_json() if r.memory else None
-    return json.loads(json.dumps(d, default=str))
 
 
 def main(argv: list[str] | None = None) -> None:

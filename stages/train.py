@@ -22,7 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -137,7 +137,7 @@ def run(cfg: RunConfig, out_dir: Path, *, inject_oom_at: int | None = None) -> T
         oom_recoveries=recoveries,
         memory_png=plot_memory(out_dir, _budget_gib(cfg)),
     )
-    done.write_text(json.dumps(_jsonable(result), indent=2))
+    done.write_text(json.dumps(memory.jsonable(result), indent=2))
     return result
 
 
@@ -420,12 +420,6 @@ def plot_loss(losses: list[dict], out_dir: Path) -> Path:
     fig.savefig(out_dir / "loss.png", dpi=100)
     plt.close(fig)
     return out_dir / "loss.png"
-
-
-def _jsonable(r: TrainResult) -> dict:
-    d = asdict(r)
-    d["memory"] = r.memory.to_json() if r.memory else None
-    return json.loads(json.dumps(d, default=str))
 
 
 def _load_result(path: Path) -> TrainResult:

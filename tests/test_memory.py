@@ -24,7 +24,7 @@ def test_child_process_peak_is_measured(tmp_path):
     with memory.track("c", tmp_path) as meter:
         proc = meter.run([sys.executable, "-c", "b = bytearray(400 * 2**20); b[::4096] = b'x' * len(b[::4096])"])
     assert proc.returncode == 0
-    assert 0.39 < meter.report.child_peak_rss_gib < 0.6
+    assert 0.39 < meter.report.child_peak_rss_gib < 0.45  # 400 MiB + a bare interpreter
     r = meter.report
     assert r.peak_gib == max(r.peak_rss_gib, r.child_peak_rss_gib)  # the headline covers the child too
 
