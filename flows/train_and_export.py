@@ -11,6 +11,7 @@ for the run.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 from prefect import flow, task
@@ -38,8 +39,6 @@ def publish_memory_timeline(steps_file, png) -> None:
     """Per-step memory of training as a table (at most 100 rows) pointing at the PNG timeline."""
     if not steps_file.is_file():
         return
-    import json
-
     rows = [json.loads(line) for line in steps_file.read_text().splitlines()]
     every = max(1, len(rows) // 100)
     create_table_artifact(rows[::every], key="memory-steps-train", description=f"Memory per optimizer step (every {every}); plot: {png}")
