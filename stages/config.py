@@ -123,6 +123,12 @@ class TrainingSection(Section):
     save_total_limit: int = Field(2, gt=0, description="Checkpoints kept on disk.")
     seed: int = Field(0, description="Seeds adapter init and data order.")
 
+    def halved(self) -> TrainingSection:
+        """Half the micro-batch, the accumulation raised to keep the effective batch."""
+        b = max(1, self.per_device_train_batch_size // 2)
+        ga = self.gradient_accumulation_steps * self.per_device_train_batch_size // b
+        return self.model_copy(update={"per_device_train_batch_size": b, "gradient_accumulation_steps": ga})
+
 
 class PreflightSection(Section):
     gpu_memory_gib: float | None = Field(

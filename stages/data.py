@@ -110,6 +110,11 @@ def _short(e: Exception) -> str:
     return str(e)
 
 
+def held_out(cfg, limit: int) -> list[Sample]:
+    """Up to `limit` samples of data.eval_file (of the training file when there is none)."""
+    return read_jsonl(cfg.data.eval_file or cfg.data.train_file)[:limit]
+
+
 def fingerprint(paths: list[Path]) -> str:
     """sha256 over the dataset files' names and bytes: changes exactly when the data does."""
     h = hashlib.sha256()

@@ -169,8 +169,7 @@ def check_tokenization(gguf_path: Path, tokenizer, texts: list[str]) -> dict:
 
 
 def _eval_texts(cfg: RunConfig, tokenizer, n: int = 20) -> list[str]:
-    source = cfg.data.eval_file or cfg.data.train_file
-    return [tokenizer.apply_chat_template(list(s.messages), tokenize=False) for s in data.read_jsonl(source)[:n]]
+    return [tokenizer.apply_chat_template(list(s.messages), tokenize=False) for s in data.held_out(cfg, n)]
 
 
 def _load(path: Path) -> ExportResult:

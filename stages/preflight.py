@@ -350,9 +350,9 @@ def suggest(cfg: RunConfig, s: Shapes, lengths: LengthScan, usable: float, on_gp
     if on_gpu and _loss_mode(cfg, on_gpu) == "plain":
         options.append((0, {"training.cross_entropy": "chunked"}, lengths.max))
     if t.per_device_train_batch_size > 1:
-        b = t.per_device_train_batch_size // 2
-        ga = t.gradient_accumulation_steps * t.per_device_train_batch_size // b
-        options.append((1, {"training.per_device_train_batch_size": b, "training.gradient_accumulation_steps": ga}, lengths.max))
+        h = t.halved()
+        options.append((1, {"training.per_device_train_batch_size": h.per_device_train_batch_size,
+                            "training.gradient_accumulation_steps": h.gradient_accumulation_steps}, lengths.max))
     if not t.gradient_checkpointing:
         options.append((2, {"training.gradient_checkpointing": True}, lengths.max))
     if t.optim in ("adamw_torch", "adamw_torch_fused"):

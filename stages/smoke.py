@@ -98,8 +98,7 @@ def run(cfg: RunConfig, gguf_files: list[tuple[str, Path]], out_dir: Path) -> Sm
 
 
 def load_prompts(cfg: RunConfig) -> list[data.Sample]:
-    source = cfg.data.eval_file or cfg.data.train_file
-    return data.read_jsonl(source)[: cfg.smoke.max_prompts]
+    return data.held_out(cfg, cfg.smoke.max_prompts)
 
 
 def plan_offload(info: dict, n_ctx: int, gpu_memory_gib: float | None, gpu_offload: bool) -> OffloadPlan:

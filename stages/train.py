@@ -142,10 +142,7 @@ def run(cfg: RunConfig, out_dir: Path, *, inject_oom_at: int | None = None) -> T
 
 
 def halve_micro_batch(cfg: RunConfig) -> RunConfig:
-    t = cfg.training
-    b = max(1, t.per_device_train_batch_size // 2)
-    ga = t.gradient_accumulation_steps * t.per_device_train_batch_size // b
-    return cfg.model_copy(update={"training": t.model_copy(update={"per_device_train_batch_size": b, "gradient_accumulation_steps": ga})})
+    return cfg.model_copy(update={"training": cfg.training.halved()})
 
 
 def postmortem(err: BaseException, cfg: RunConfig, trainer, model, collator: Collator, path: Path) -> dict:
