@@ -107,12 +107,36 @@ class TrainingSection(Section):
     max_grad_norm: float = Field(1.0, ge=0, description="Gradient clipping; 0 disables.")
     max_steps: int = Field(100, gt=0, description="Optimizer steps.")
     gradient_checkpointing: bool = Field(True, description="Recompute activations in backward; saves memory, costs ~1/3 more compute.")
+    fit: Literal["memory", "speed"] = Field(
+        "memory", description="memory: every layer checkpointed, checkpointed activations offloaded to CPU on a GPU "
+        "(smallest footprint). speed: measured at start, as few layers checkpointed as fit preflight.gpu_memory_gib "
+        "less the margin (fastest that fits); the choice and its measurements go to train/fit.json."
+    )
+    offload_activations: Literal["auto", "on", "off"] = Field(
+        "auto", description="Keep tensors saved for backward (the checkpointed layers' inputs) in pinned CPU memory, "
+        "copied on a side stream (CUDA only). auto: on with fit: memory and checkpointing on a GPU."
+    )
+    offload_embeddings: Literal["auto", "on", "off"] = Field(
+        "auto", description="Keep the frozen input embedding table in pinned CPU memory and gather rows there "
+        "(1.02 GiB for a 152k x 3584 table; CUDA, untied embeddings only). auto: on with fit: memory on a GPU."
+    )
+    tiled_mlp: Literal["auto", "on", "off"] = Field(
+        "auto", description="Run each MLP over sequence tiles, recomputed in backward (Liger's TiledMLP, CUDA): the "
+        "tokens x intermediate activations stop growing with context, at the cost of one more MLP forward. "
+        "auto: on when a micro-batch can hold >= 32768 tokens (data.max_length x micro-batch)."
+    )
+    fused_kernels: Literal["auto", "on", "off"] = Field(
+        "auto", description="Liger Triton kernels for RMSNorm, SwiGLU and RoPE (CUDA): less activation memory, faster "
+        "steps. auto: on with a CUDA GPU and liger-kernel installed."
+    )
     cross_entropy: Literal["auto", "plain", "chunked"] = Field(
         "auto", description="chunked never materialises the vocab x tokens logits (Liger's fused linear cross-entropy, "
         "CUDA only); with a 152k vocabulary it is the largest single saving. auto: chunked on GPU, plain on CPU."
     )
-    optim: Literal["adamw_torch", "adamw_torch_fused", "paged_adamw_8bit", "adamw_8bit", "sgd"] = Field(
-        "adamw_torch", description="Optimizer (TrainingArguments.optim). 8-bit states take 2 bytes per adapter parameter instead of 8."
+    optim: Literal["auto", "adamw_torch", "adamw_torch_fused", "paged_adamw_8bit", "adamw_8bit", "sgd"] = Field(
+        "auto", description="Optimizer (TrainingArguments.optim). 8-bit states take 2 bytes per adapter parameter instead of 8. "
+        "auto: paged_adamw_8bit with fit: memory on a GPU (bitsandbytes installed), adamw_torch_fused with fit: speed, "
+        "adamw_torch on CPU (measured: bench/results/train_r7.json)."
     )
     train_sampling_strategy: Literal["random", "group_by_length", "sequential"] = Field(
         "random", description="group_by_length batches samples of similar length so padding is not paid for; "

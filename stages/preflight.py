@@ -35,7 +35,7 @@ from stages.modelio import compute_dtype, load_tokenizer, resolve_model_dir
 KNOWN_MODEL_TYPES = {"llama", "qwen2", "mistral", "qwen3"}
 ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 NF4_BYTES = {True: 0.5 + 1 / 64 + 4 / (64 * 256), False: 0.5 + 4 / 64}  # 4-bit + absmax (double-quant or fp32)
-OPTIM_BYTES = {"adamw_torch": 8, "adamw_torch_fused": 8, "paged_adamw_8bit": 2, "adamw_8bit": 2, "sgd": 0}
+OPTIM_BYTES = {"auto": 8, "adamw_torch": 8, "adamw_torch_fused": 8, "paged_adamw_8bit": 2, "adamw_8bit": 2, "sgd": 0}
 PROBE_IF_UNDER = 1.25       # probe when the estimate is below this multiple of the budget
 CUDA_CONTEXT_GIB = 0.5      # typical CUDA context of a torch process; not in torch's counters (not measured here)
 # Fitted by bench/fit_preflight.py to 28 measured H200 runs (bench/results/preflight_grid_raw_*.json).
@@ -355,7 +355,7 @@ def suggest(cfg: RunConfig, s: Shapes, lengths: LengthScan, usable: float, on_gp
                             "training.gradient_accumulation_steps": h.gradient_accumulation_steps}, lengths.max))
     if not t.gradient_checkpointing:
         options.append((2, {"training.gradient_checkpointing": True}, lengths.max))
-    if t.optim in ("adamw_torch", "adamw_torch_fused"):
+    if t.optim in ("auto", "adamw_torch", "adamw_torch_fused"):
         options.append((3, {"training.optim": "paged_adamw_8bit"}, lengths.max))
     if not cfg.quantization.load_in_4bit:
         options.append((4, {"quantization.load_in_4bit": True}, lengths.max))

@@ -85,3 +85,46 @@ def test_out_of_range_learning_rate_and_rank_fail_validation(tmp_path):
         load_config(write_config(tmp_path, training={"learning_rate": 3}))
     with pytest.raises(ConfigError, match=r"lora.r: Input should be greater than 0"):
         load_config(write_config(tmp_path, lora={"r": 0}))
+
+
+def _grads(model, batch) -> dict:
+    model.zero_grad(set_to_none=True)
+    model(**batch).loss.backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_partial_checkpointing_gives_the_same_gradients_as_full(tmp_path):
+    """fit: speed un-checkpoints layers; that must change memory and time, never the gradients."""
+    cfg = load_config(write_config(tmp_path, lora={"lora_dropout": 0.0}))
+    model = train.build_model(cfg)
+    tok = train.load_tokenizer(cfg.model)
+    rows = train.rows(train.data.tokenize(train.data.read_jsonl(cfg.data.train_file)[:4], tok, 256, "error"))
+    batch = train.Collator(tok.pad_token_id)(rows)
+    assert train.checkpointed_layers(model) == (2, 2)
+    full = _grads(model, batch)
+    train.checkpoint_only(model, 1)
+    assert train.checkpointed_layers(model) == (1, 2)
+    partial = _grads(model, batch)
+    train.checkpoint_only(model, 0)
+    none = _grads(model, batch)
+    assert full.keys() == partial.keys() == none.keys() and len(full) == 28  # 2 layers x 7 linears x A,B
+    for n in full:
+        torch.testing.assert_close(partial[n], full[n])
+        torch.testing.assert_close(none[n], full[n])
+
+
+def test_gpu_only_settings_fail_clearly_on_cpu(tmp_path):
+    for key in ("offload_activations", "offload_embeddings", "fused_kernels", "tiled_mlp"):
+        cfg = load_config(write_config(tmp_path, training={key: "on"}))
+        with pytest.raises(ValueError, match=rf"training\.{key}: on needs a CUDA GPU.*set it to auto"):
+            train.build_model(cfg) if key != "offload_activations" else train.make_trainer(cfg, None, [], None, tmp_path)
+    cfg = load_config(write_config(tmp_path))
+    assert train.optimizer(cfg) == "adamw_torch" and not train.offload_activations(cfg) and not train.offload_embeddings(cfg)
+
+
+def test_fit_choice_is_recorded(tmp_path):
+    cfg = load_config(write_config(tmp_path, training=SHORT | {"max_steps": 2, "fit": "speed"}))
+    r = train.run(cfg, tmp_path / "train")
+    fit = json.loads((tmp_path / "train" / "fit.json").read_text())
+    assert fit == r.fit and fit["checkpointed_layers"] == fit["total_layers"] == 2
+    assert "no CUDA device" in fit["reason"] and fit["attention"].startswith("sdpa (cpu)")
