@@ -23,7 +23,7 @@ LONG_GOAL = 80_000
 
 def main(paths: list[str]) -> None:
     rows: dict[tuple, dict] = {}
-    for run, path in enumerate(paths, 1):
+    for path in paths:
         raw = json.loads(Path(path).read_text())
         base = {(r["name"].split(" (")[0], r["mode"]): r for r in raw["rows"] if r.get("baseline") and "tokens_per_s" in r}
         for r in raw["rows"]:
@@ -54,7 +54,14 @@ def main(paths: list[str]) -> None:
                                             "longest_measured": best and best["seq"], "peak_reserved_gib": best and best["peak_reserved_gib"],
                                             "tokens_per_s": best and best["tokens_per_s"], "met": bool(best and best["seq"] >= LONG_GOAL),
                                             "note": "the longest tried; the limit was not searched further"}
-    OUT.write_text(json.dumps({"source_runs": [Path(p).name for p in paths], "goals": goals, "rows": out_rows}, indent=1))
+    notes = {
+        "train_r7_raw_run4.json": "rows measured while a niced 16-job llama.cpp CUDA build ran on the same 16 cores "
+                                  "(bench/gpu_session.sh); baselines of that run shared the contention",
+        "train_r7_raw_run2.json": "an earlier code state: optim default adamw_torch_fused, embeddings on the GPU",
+        "train_r7_raw_run3.json": "embeddings on the GPU (offload_embeddings did not exist yet); ablations relative to that",
+    }
+    OUT.write_text(json.dumps({"source_runs": [Path(p).name for p in paths], "run_notes": {k: v for k, v in notes.items() if k in
+                               [Path(p).name for p in paths]}, "goals": goals, "rows": out_rows}, indent=1))
     print(json.dumps(goals, indent=1))
 
 

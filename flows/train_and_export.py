@@ -19,13 +19,14 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
 
-from stages import data, export, handoff, llamacpp, merge, preflight, smoke, train
+from stages import data, export, fidelity, handoff, llamacpp, memory, merge, preflight, smoke, train
 from stages.config import ConfigError, load_config
 from stages.memory import MemoryReport
 from stages.paths import RunPaths
 
 # Problems in the user's inputs: one message, no traceback.
-USER_ERRORS = (ConfigError, data.DataError, preflight.PreflightError, smoke.SmokeError, FileNotFoundError, llamacpp.ConverterMismatch)
+USER_ERRORS = (ConfigError, data.DataError, preflight.PreflightError, smoke.SmokeError, FileNotFoundError, llamacpp.ConverterMismatch,
+               fidelity.FidelityError)
 
 
 def publish_memory(stage: str, report: MemoryReport | None) -> None:
@@ -84,6 +85,8 @@ def train_and_export(config: str = "configs/default.yaml", overrides: list[str] 
     # 4. GGUF f16 -> Q4_K_M, Q5_K_S, each verified.
     ex = export_task(cfg, mg.merged_dir, paths.stage("export"))
     quants = [(f.quant, f.path) for f in ex.files]
+    drift = [memory.jsonable(f) for f in ex.fidelity]
+    create_table_artifact(drift, key="fidelity", description="Each GGUF vs the merged model on held-out texts (mean KL, top-1)")
     # 5. Every GGUF under llama.cpp, within the serving card's budget.
     sm = smoke_task(cfg, quants, paths.stage("smoke"))
     create_table_artifact(
@@ -96,8 +99,9 @@ def train_and_export(config: str = "configs/default.yaml", overrides: list[str] 
         adapter_dir=tr.adapter_dir, data_fingerprint=fingerprint,
         smoke={f.quant: {"accuracy": f.accuracy, "passed": f.passed, "n_prompts": f.n_prompts, "gen_tokens_per_s": f.gen_tokens_per_s,
                          "n_gpu_layers": f.plan.n_gpu_layers} for f in sm.files},
-        memory=reports, extra={"prefect_flow_run_id": str(flow_run.id) if flow_run.id else None, "train": {
-            "steps": tr.steps, "first_loss": tr.first_loss, "final_loss": tr.final_loss}},
+        memory=reports, fidelity=drift, merge={"base": mg.base, "kl": mg.kl},
+        extra={"prefect_flow_run_id": str(flow_run.id) if flow_run.id else None,
+               "train": {"steps": tr.steps, "first_loss": tr.first_loss, "final_loss": tr.final_loss, "fit": tr.fit}},
     )
     reports["handoff"] = ho.memory
     summary = summarize(paths, reports, ho, tr, sm)

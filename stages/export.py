@@ -17,10 +17,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from stages import data, llamacpp, memory
+from stages import data, fidelity, llamacpp, memory
 from stages.config import QUANT_FTYPES, RunConfig, load_config
 from stages.memory import MemoryReport
 from stages.modelio import load_tokenizer
@@ -54,6 +55,8 @@ class ExportResult:
     memory: MemoryReport | None
     skipped: bool = False
     checks: dict = field(default_factory=dict)
+    fidelity: list = field(default_factory=list)  # fidelity.Fidelity per file, the unquantized one first
+    seconds: dict = field(default_factory=dict)   # wall time of each step: convert, checks, each quant, fidelity
 
 
 def run(cfg: RunConfig, merged_dir: Path, out_dir: Path) -> ExportResult:
@@ -69,11 +72,23 @@ def run(cfg: RunConfig, merged_dir: Path, out_dir: Path) -> ExportResult:
     tokenizer = load_tokenizer(cfg.model)
     out_dir.mkdir(parents=True, exist_ok=True)
 
+    seconds: dict[str, float] = {}
+    clock = time.perf_counter()
+
+    def lap(name: str) -> None:
+        nonlocal clock
+        now = time.perf_counter()
+        seconds[name] = round(now - clock, 2)
+        clock = now
+
     with memory.track("export", out_dir) as meter:
         base = out_dir / f"model-{cfg.export.outtype}.gguf"
         convert(meter, converter, merged_dir, base, cfg.export.outtype)
-        checks = {"base": check_tokenizer(llamacpp.read_gguf(base), tokenizer)}
+        lap(f"convert_{cfg.export.outtype}")
+        rows = json.loads((merged_dir / "config.json").read_text()).get("vocab_size")
+        checks = {"base": check_tokenizer(llamacpp.read_gguf(base), tokenizer, rows)}
         checks["tokenization"] = check_tokenization(base, tokenizer, _eval_texts(cfg, tokenizer))
+        lap("tokenizer_checks")
         files = []
         for quant in cfg.export.quant_types:
             path = out_dir / f"model-{quant}.gguf"
@@ -81,11 +96,16 @@ def run(cfg: RunConfig, merged_dir: Path, out_dir: Path) -> ExportResult:
             llamacpp.quantize(base, tmp, QUANT_FTYPES[quant])
             info = llamacpp.read_gguf(tmp)
             check_quant_types(info, quant, tmp)
-            checks[quant] = check_tokenizer(info, tokenizer)
+            checks[quant] = check_tokenizer(info, tokenizer, rows)
             tmp.rename(path)
             files.append(GgufFile(quant, path, QUANT_FTYPES[quant], round(path.stat().st_size / 2**20, 3), llamacpp.type_counts(info)))
             print(f"export: {path.name} {files[-1].size_mib:.1f} MiB {files[-1].tensor_types}")
-    result = ExportResult(base, files, llamacpp.runtime_version(), meter.report, checks=checks)
+            lap(f"quantize_{quant}")
+        drift = check_fidelity(cfg, tokenizer, merged_dir, [(cfg.export.outtype, base)] + [(f.quant, f.path) for f in files])
+        lap("fidelity")
+        meter.extra["fidelity"] = [memory.jsonable(f) for f in drift]
+        meter.extra["seconds"] = seconds
+    result = ExportResult(base, files, llamacpp.runtime_version(), meter.report, checks=checks, fidelity=drift, seconds=seconds)
     done.write_text(json.dumps(memory.jsonable(result), indent=2))
     return result
 
@@ -98,6 +118,19 @@ def convert(meter: memory.track, converter: Path, merged_dir: Path, dst: Path, o
     if proc.returncode != 0 or not tmp.is_file():
         raise RuntimeError(f"convert_hf_to_gguf.py failed (exit {proc.returncode}) on {merged_dir}; its output is above")
     tmp.rename(dst)
+
+
+def check_fidelity(cfg: RunConfig, tokenizer, merged_dir: Path, ggufs: list[tuple[str, Path]]) -> list[fidelity.Fidelity]:
+    """Every GGUF against the merged model on held-out texts; FidelityError on a breach."""
+    texts = _eval_texts(cfg, tokenizer, cfg.export.fidelity.samples)
+    sequences = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    ref = fidelity.reference(merged_dir, sequences)
+    results = [fidelity.measure(q, p, sequences, ref, cfg.export.fidelity) for q, p in ggufs]
+    for r in results:
+        print(f"export: fidelity {r.file}: mean KL {r.mean_kl:.5f}, top-1 {r.top1_agreement:.1%} over {r.positions} positions"
+              f"{'' if r.passed else '  FAILED'}")
+    fidelity.gate(results)
+    return results
 
 
 def check_quant_types(info: dict, quant: str, path: Path) -> None:
@@ -120,8 +153,12 @@ def check_quant_types(info: dict, quant: str, path: Path) -> None:
         raise ValueError(f"{path.name}: only {main}/{len(matrices)} matrices are {MAIN_TYPE[quant]}; this is not a {quant} file")
 
 
-def check_tokenizer(info: dict, tokenizer) -> dict:
-    """Vocabulary, special ids and chat template as the HF tokenizer has them."""
+def check_tokenizer(info: dict, tokenizer, model_vocab: int | None = None) -> dict:
+    """Vocabulary, special ids and chat template as the HF tokenizer has them.
+
+    The converter pads the GGUF vocabulary to the model's embedding rows (Qwen2-7B: 151,646
+    tokens, 152,064 rows), so either size is right; anything else is not.
+    """
     f = info["fields"]
     got = {
         "vocab_size": f.get("tokenizer.ggml.tokens", {}).get("array_len"),
@@ -135,6 +172,8 @@ def check_tokenizer(info: dict, tokenizer) -> dict:
         "eos_token_id": tokenizer.eos_token_id,
         "chat_template": tokenizer.chat_template,
     }
+    if model_vocab and got["vocab_size"] == model_vocab:
+        want["vocab_size"] = model_vocab
     bad = {k: (got[k], want[k]) for k in want if want[k] is not None and got[k] != want[k]}
     if bad:
         raise ValueError("GGUF tokenizer metadata differs from the HF tokenizer: " + "; ".join(
@@ -175,7 +214,8 @@ def _eval_texts(cfg: RunConfig, tokenizer, n: int = 20) -> list[str]:
 def _load(path: Path) -> ExportResult:
     d = json.loads(path.read_text())
     files = [GgufFile(**(f | {"path": Path(f["path"])})) for f in d["files"]]
-    return ExportResult(Path(d["base_gguf"]), files, d["llama_cpp_version"], None, skipped=True, checks=d.get("checks", {}))
+    return ExportResult(Path(d["base_gguf"]), files, d["llama_cpp_version"], None, skipped=True, checks=d.get("checks", {}),
+                        fidelity=[fidelity.Fidelity(**x) for x in d.get("fidelity", [])], seconds=d.get("seconds", {}))
 
 
 def main(argv: list[str] | None = None) -> None:

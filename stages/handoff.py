@@ -2,9 +2,12 @@
 
     artifacts/handoff/<model_name>/<version>/
         model-Q4_K_M.gguf, model-Q5_K_S.gguf
-        SHA256SUMS        `sha256sum -c SHA256SUMS` verifies the files
+        SHA256SUMS        `sha256sum -c SHA256SUMS` verifies every other file
         manifest.json     base model + hash, adapter hash, data fingerprint, config, quant
-                          types, smoke results, per-stage memory peaks, versions
+                          types, merge choice, fidelity, smoke results, per-stage memory
+                          peaks, stop tokens, versions, Prefect flow-run id
+        Modelfile         Ollama: FROM the first GGUF, TEMPLATE, stop tokens
+        README.md         the model card
     artifacts/handoff/<model_name>/latest -> <version>
 
 Publishing is atomic: the bundle is built in a hidden temporary directory next to its
@@ -15,6 +18,7 @@ never overwritten.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -26,6 +30,7 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
+from stages import modelcard
 from stages.config import RunConfig
 from stages.memory import MemoryReport, track
 from stages.modelio import resolve_model_dir
@@ -52,6 +57,8 @@ def run(
     data_fingerprint: str,
     smoke: dict,
     memory: dict[str, MemoryReport | None],
+    fidelity: list | None = None,
+    merge: dict | None = None,
     extra: dict | None = None,
 ) -> HandoffResult:
     """Publish <handoff.dir>/<model_name>/<version>/ atomically and point `latest` at it.
@@ -62,6 +69,8 @@ def run(
         out_dir: the run's handoff stage directory (memory.json goes there).
         smoke: per-file smoke figures, stored in the manifest.
         memory: per-stage memory reports, stored in the manifest.
+        fidelity: per-file fidelity.Fidelity figures (dicts), stored in the manifest and model card.
+        merge: what the adapter was merged into and the KL of each choice.
         extra: anything else for the manifest (e.g. the Prefect flow-run id).
     """
     root = Path(cfg.handoff.dir) / cfg.handoff.model_name
@@ -81,14 +90,24 @@ def run(
                 dst.chmod(0o444)
                 names.append(dst.name)
             sums = {n: sha256_file(tmp / n) for n in names}
-            (tmp / "SHA256SUMS").write_text("".join(f"{h}  {n}\n" for n, h in sums.items()))
-            manifest = _manifest(cfg, version, gguf_files, sums, adapter_dir, data_fingerprint, smoke, memory, extra or {})
+            serving = _serving(cfg, gguf_files[0][1])
+            manifest = _manifest(cfg, version, gguf_files, sums, adapter_dir, data_fingerprint, smoke, memory,
+                                 {"fidelity": fidelity or [], "merge": merge or {}, "stop_tokens": serving["stops"]} | (extra or {}))
             (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2, default=str))
+            text, has_template = modelcard.modelfile(names[0], names[1:], n_ctx=cfg.smoke.n_ctx, **serving)
+            (tmp / "Modelfile").write_text(text)
+            (tmp / "README.md").write_text(modelcard.readme(json.loads((tmp / "manifest.json").read_text()), has_template))
+            listed = [*names, "manifest.json", "Modelfile", "README.md"]
+            (tmp / "SHA256SUMS").write_text("".join(f"{sums.get(n) or sha256_file(tmp / n)}  {n}\n" for n in listed))
             _fsync_dir(tmp)
             tmp.chmod(0o755)  # mkdtemp makes it private; the serving team must read it
             os.rename(tmp, final)  # atomic on one filesystem; fails if `final` appeared meanwhile
-        except BaseException:
+        except BaseException as e:
             shutil.rmtree(tmp, ignore_errors=True)
+            if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+                need = sum(Path(p).stat().st_size for _q, p in gguf_files) / 2**30
+                raise OSError(errno.ENOSPC, f"disk full while writing the bundle under {root} (it needs {need:.2f} GiB); "
+                              "nothing was published and `latest` is unchanged; free space and run again") from e
             raise
         _point_latest(root, version)
     return HandoffResult(final, final / "manifest.json", version, names, meter.report)
@@ -128,6 +147,21 @@ def _manifest(cfg, version, gguf_files, sums, adapter_dir, data_fingerprint, smo
         "versions": _versions(),
         "config": json.loads(cfg.model_dump_json()),
     } | extra
+
+
+def _serving(cfg: RunConfig, gguf: Path) -> dict:
+    """Chat template, BOS/EOS and stop strings, as the GGUF holds them (export checked they equal the HF tokenizer's)."""
+    from stages import llamacpp
+    from stages.modelio import load_tokenizer
+
+    tok = load_tokenizer(cfg.model)
+    f = llamacpp.read_gguf(gguf)["fields"]
+    stops = [tok.eos_token]
+    for key in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
+        if f.get(key) is not None:
+            stops.append(tok.convert_ids_to_tokens(int(f[key])))
+    return {"template": f.get("tokenizer.chat_template") or tok.chat_template, "bos_token": tok.bos_token or "",
+            "eos_token": tok.eos_token or "", "stops": [s for s in stops if s], "add_bos": bool(f.get("tokenizer.ggml.add_bos_token", True))}
 
 
 def _versions() -> dict:

@@ -61,6 +61,8 @@ class SmokeFile:
     load_s: float
     device_used_gib: float | None   # NVML, after load and generation, whole device
     examples: list[dict]            # a few prompts with expected and actual answers
+    device_used_before_load_gib: float | None = None
+    device_used_after_load_gib: float | None = None
 
 
 @dataclass
@@ -134,9 +136,15 @@ def smoke_file(s: SmokeSection, quant: str, path: Path, prompts: list[data.Sampl
 
     info = llamacpp.read_gguf(path)
     plan = plan_offload(info, s.n_ctx, s.gpu_memory_gib, llama_cpp.llama_supports_gpu_offload())
+    before = memory.nvml_used_gib()
     t0 = time.perf_counter()
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=s.n_ctx, n_gpu_layers=plan.n_gpu_layers, seed=0, verbose=False)
+    try:
+        llm = llama_cpp.Llama(model_path=str(path), n_ctx=s.n_ctx, n_gpu_layers=plan.n_gpu_layers, seed=0, verbose=False)
+    except (ValueError, RuntimeError) as e:
+        raise SmokeError(f"{path.name} does not load under llama.cpp (llama-cpp-python {llama_cpp.__version__}): {e}; "
+                         "nothing was handed off") from None
     load_s = time.perf_counter() - t0
+    loaded = memory.nvml_used_gib()
     passed = stopped = 0
     examples = []
     p_tok = p_ms = g_tok = g_ms = 0.0
@@ -164,6 +172,7 @@ def smoke_file(s: SmokeSection, quant: str, path: Path, prompts: list[data.Sampl
         prompt_tokens_per_s=round(p_tok / (p_ms / 1000), 1) if p_ms else 0.0,
         gen_tokens_per_s=round(g_tok / (g_ms / 1000), 1) if g_ms else 0.0,
         load_s=round(load_s, 3), device_used_gib=used[0] if used else None, examples=examples,
+        device_used_before_load_gib=before[0] if before else None, device_used_after_load_gib=loaded[0] if loaded else None,
     )
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from stages import export, llamacpp, smoke
+from stages import export, fidelity, llamacpp, smoke
 from stages.config import load_config
 from stages.modelio import load_tokenizer
 from tests.conftest import REPO, write_config
@@ -88,3 +88,26 @@ def test_export_refuses_a_non_model_directory(tmp_path):
     cfg = load_config(write_config(tmp_path))
     with pytest.raises(FileNotFoundError, match="merge stage's `model` directory"):
         export.run(cfg, tmp_path, tmp_path / "export")
+
+
+def _corrupt(src: Path, dst: Path, tensor: str) -> None:
+    """A copy of `src` with one tensor's data zeroed: a file that loads but computes garbage."""
+    from gguf import GGUFReader
+
+    t = next(t for t in GGUFReader(str(src)).tensors if t.name == tensor)
+    blob = bytearray(src.read_bytes())
+    blob[t.data_offset: t.data_offset + int(t.n_bytes)] = bytes(int(t.n_bytes))
+    dst.write_bytes(bytes(blob))
+
+
+def test_fidelity_gate_passes_real_files_and_stops_a_corrupted_one(run_dir, tmp_path):
+    result = json.loads((run_dir / "export" / "export_result.json").read_text())
+    fid = {f["quant"]: f for f in result["fidelity"]}
+    assert fid["f16"]["top1_agreement"] >= 0.99 and fid["f16"]["mean_kl"] < 1e-3
+    assert fid["Q4_K_M"]["passed"] and fid["Q5_K_S"]["passed"] and 0 < fid["Q4_K_M"]["mean_kl"] < 0.1
+    cfg = load_config(REPO / "configs" / "default.yaml")
+    tok = load_tokenizer(cfg.model)
+    bad = tmp_path / "model-Q4_K_M.gguf"
+    _corrupt(run_dir / "export" / "model-Q4_K_M.gguf", bad, "blk.1.ffn_down.weight")
+    with pytest.raises(fidelity.FidelityError, match=r"model-Q4_K_M.gguf: mean KL .* top-1 agreement .*Nothing was handed off"):
+        export.check_fidelity(cfg, tok, run_dir / "merge" / "model", [("Q4_K_M", bad)])

@@ -73,11 +73,14 @@ def test_bundle_checksums_verify_and_manifest_is_complete(e2e):
     result, _, flow_run_id = e2e
     bundle = Path(result["bundle"])
     subprocess.run(["sha256sum", "-c", "SHA256SUMS"], cwd=bundle, check=True, capture_output=True)
-    assert sorted(p.name for p in bundle.iterdir()) == ["SHA256SUMS", "manifest.json", "model-Q4_K_M.gguf", "model-Q5_K_S.gguf"]
+    assert sorted(p.name for p in bundle.iterdir()) == ["Modelfile", "README.md", "SHA256SUMS", "manifest.json", "model-Q4_K_M.gguf",
+                                                        "model-Q5_K_S.gguf"]
     m = json.loads((bundle / "manifest.json").read_text())
     assert m["prefect_flow_run_id"] == str(flow_run_id)
     assert len(m["data_fingerprint"]) == 64 and len(m["base_model"]["sha256"]) == 64
     assert set(m["memory_peaks"]) == {"preflight", "train", "merge", "export", "smoke"}
     assert m["versions"]["llama_cpp_python"] == llamacpp.runtime_version()
     assert m["smoke"]["Q4_K_M"]["accuracy"] >= 0.9
+    assert {f["quant"] for f in m["fidelity"]} == {"f16", "Q4_K_M", "Q5_K_S"} and all(f["passed"] for f in m["fidelity"])
+    assert m["merge"]["base"] == "16bit" and m["stop_tokens"] == ["</s>"] and m["train"]["fit"]["checkpointed_layers"] == 2
     assert (bundle.parent / "latest").resolve() == bundle.resolve()

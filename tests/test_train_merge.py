@@ -77,6 +77,9 @@ def test_qlora_adapter_merges_into_the_unquantized_base(qlora, tmp_path):
     assert "quantization_config" not in saved and saved["dtype"] == "bfloat16"
     assert {"tokenizer.model", "tokenizer_config.json", "model.safetensors", "generation_config.json"} <= {p.name for p in m.merged_dir.iterdir()}
     assert m.max_abs_logit_diff < 1e-3
+    # both merges measured against the adapter on the NF4 base it trained with; the closer one kept
+    assert set(m.kl) == {"16bit", "dequantized-nf4"} and m.base == min(m.kl, key=lambda k: m.kl[k]["mean_kl"])
+    assert m.kl["dequantized-nf4"]["mean_kl"] < m.kl["16bit"]["mean_kl"]
 
 
 def test_merged_logits_equal_adapter_logits_and_differ_from_base(tmp_path):

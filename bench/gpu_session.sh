@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# One H200 call for the export bench (issue 5) and the last training rows (issue 4):
+#   device run (carry .whl and .sdist): bash bench/gpu_session.sh      (SKIP_TRAIN=1: export only)
+# .whl/  bitsandbytes, liger-kernel, pydantic (+core, deps), sentencepiece, protobuf, diskcache wheels (cp312)
+# .sdist/ llama-cpp-python 0.3.36 trimmed by bench/trim_llama_sdist.py (4.4 MB)
+# The CUDA build of llama-cpp-python is CPU-bound and takes minutes: it runs niced in the
+# background while the GPU measures training; the export waits for it. GGML_CUDA_FA=OFF
+# skips llama.cpp's flash-attention kernel instances (most of the build time).
+set -u
+: "${OUT:?}"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:. PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TAE_CACHE_DIR=/tmp/tae-cache
+V=0.3.36
+CONV=$TAE_CACHE_DIR/llama-cpp-converter-$V
+(
+  t0=$(date +%s)
+  mkdir -p /tmp/x "$TAE_CACHE_DIR"
+  top=llama_cpp_python-$V/vendor/llama.cpp
+  tar -xzf .sdist/llama_cpp_python-$V.tar.gz -C /tmp/x "$top/convert_hf_to_gguf.py" "$top/conversion" "$top/gguf-py" \
+    && mv /tmp/x/$top "$CONV" && echo $V > "$CONV/VERSION"
+  if CMAKE_ARGS="-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_CUDA_FA=OFF -DGGML_NATIVE=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAVA_BUILD=OFF" \
+     CMAKE_BUILD_PARALLEL_LEVEL=16 nice -n "${BUILD_NICE:-19}" python3 -m pip wheel -q --no-deps --no-build-isolation \
+     .sdist/llama_cpp_python-$V.tar.gz -w /tmp/llw > "$OUT/build.log" 2>&1 \
+     && python3 -m pip install -q --no-deps --no-index --target /tmp/site /tmp/llw/*.whl >> "$OUT/build.log" 2>&1; then
+    echo "$(( $(date +%s) - t0 ))" > /tmp/llama-built
+  else
+    touch /tmp/llama-built.failed
+  fi
+) &
+if [ "${SKIP_TRAIN:-0}" != 1 ]; then
+  python3 bench/train_r7.py --parts plain qlora bf16 liger --out "$OUT/train_r7_run4.json" --max-seconds 220 2>&1 \
+    | grep -v "Warning\|Loading weights\|Writing model\|Backend impl\|train_runtime\|use_return_dict" | tail -20
+  rm -rf /tmp/bench-models
+fi
+export PYTHONPATH=$PYTHONPATH:$CONV/gguf-py
+python3 bench/export_r7.py --out "$OUT/export_r7.json" --wait-for /tmp/llama-built --free-disk 2>&1 \
+  | grep -v "Warning\|Loading weights\|Writing\|INFO:" | tail -40
+echo "build seconds: $(cat /tmp/llama-built 2>/dev/null || echo failed)"; tail -5 "$OUT/build.log"; df -h /tmp | tail -1

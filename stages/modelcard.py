@@ -1,0 +1,177 @@
+"""What the serving team reads in a bundle: an Ollama Modelfile and a model card.
+
+Chat templates come from model files, so they are rendered only in Jinja's immutable
+sandbox (attribute access to Python internals raises SecurityError, as in transformers'
+own `apply_chat_template`).
+
+Ollama wants a Go template, not Jinja. The Go template is derived by rendering the
+Jinja template on marker messages (one system, user, assistant, user turn) and cutting
+the text around the markers; it is then checked by re-assembling a conversation from the
+pieces and comparing it with the Jinja rendering. A template whose turns are not plain
+prefix/suffix text (conditionals on content, tool calls) fails that check, and the
+Modelfile then leaves TEMPLATE out: Ollama falls back to the template stored in the GGUF
+(`tokenizer.chat_template`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from jinja2.exceptions import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+S, U, A, V = "\x00SYSTEM\x00", "\x00USER\x00", "\x00ASSISTANT\x00", "\x00USER2\x00"
+
+
+def render(template: str, messages: list[dict], *, add_generation_prompt: bool, bos_token: str = "", eos_token: str = "") -> str:
+    """The chat template applied to `messages`, in a sandbox (transformers' Jinja settings)."""
+
+    def raise_exception(message):
+        raise TemplateError(message)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.globals["raise_exception"] = raise_exception
+    return env.from_string(template).render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                            bos_token=bos_token, eos_token=eos_token)
+
+
+@dataclass
+class TurnTemplate:
+    prefix: str           # once, before the first message
+    user: tuple[str, str]
+    assistant: tuple[str, str]
+    system: tuple[str, str] | None
+    generation: str       # after the last message, to make the model answer
+
+    def assemble(self, messages: list[dict]) -> str:
+        parts = [self.prefix]
+        for m in messages:
+            pre, suf = {"user": self.user, "assistant": self.assistant, "system": self.system}[m["role"]]
+            parts += [pre, m["content"], suf]
+        return "".join(parts) + self.generation
+
+    def go_template(self) -> str:
+        """Ollama's TEMPLATE: no whitespace-trimming markers, so every literal stays byte-exact."""
+        branches = [("system", self.system), ("user", self.user), ("assistant", self.assistant)]
+        body = "".join(
+            f'{{{{ {"if" if i == 0 else "else if"} eq .Role "{role}" }}}}{pre}{{{{ .Content }}}}{suf}'
+            for i, (role, (pre, suf)) in enumerate((r, p) for r, p in branches if p is not None)
+        )
+        return f"{self.prefix}{{{{ range .Messages }}}}{body}{{{{ end }}}}{{{{ end }}}}{self.generation}"
+
+
+def turn_template(template: str, bos_token: str, eos_token: str, *, strip_bos: bool) -> TurnTemplate | None:
+    """Prefix/suffix text of each role, or None when the template is not that simple."""
+
+    def r(msgs, gen=False):
+        return render(template, [{"role": ro, "content": c} for ro, c in msgs], add_generation_prompt=gen,
+                      bos_token=bos_token, eos_token=eos_token)
+
+    try:
+        one, one_gen = r([("user", U)]), r([("user", U)], True)
+        two = r([("user", U), ("assistant", A)])
+        three = r([("user", U), ("assistant", A), ("user", V)])
+        u_suf = one[one.index(U) + len(U):]
+        a_suf = two[two.index(A) + len(A):]
+        between = three[three.index(A) + len(A): three.index(V)]
+        u_pre = between[len(a_suf):] if between.startswith(a_suf) else None
+        head = one[: one.index(U)]
+        if u_pre is None or not head.endswith(u_pre) or not one_gen.startswith(one):
+            return None
+        prefix = head[: len(head) - len(u_pre)]
+        a_pre = two[one.index(U) + len(U): two.index(A)][len(u_suf):]
+        system = None
+        try:
+            sys_text = r([("system", S), ("user", U)])
+            if S in sys_text:
+                s_end = sys_text.index(S) + len(S)
+                system = (sys_text[len(prefix): sys_text.index(S)], sys_text[s_end: sys_text.index(U) - len(u_pre)])
+        except TemplateError:
+            pass
+        tt = TurnTemplate(prefix, (u_pre, u_suf), (a_pre, a_suf), system, one_gen[len(one):])
+    except (TemplateError, ValueError):
+        return None
+    # The derived pieces must rebuild what Jinja renders, or they are not trusted.
+    convo = ([{"role": "system", "content": "Be brief."}] if tt.system else []) + [
+        {"role": "user", "content": "Hi there"}, {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Bye"}]
+    try:
+        if tt.assemble(convo) != render(template, convo, add_generation_prompt=True, bos_token=bos_token, eos_token=eos_token):
+            return None
+    except TemplateError:
+        return None
+    if "{{" in tt.go_template().replace("{{ ", "").replace(" }}", ""):
+        return None
+    if strip_bos and bos_token and tt.prefix.startswith(bos_token):
+        tt.prefix = tt.prefix[len(bos_token):]  # llama.cpp adds BOS itself (tokenizer.ggml.add_bos_token)
+    return tt
+
+
+def modelfile(gguf_name: str, others: list[str], template: str, bos_token: str, eos_token: str, stops: list[str],
+              add_bos: bool, n_ctx: int) -> tuple[str, bool]:
+    """An Ollama Modelfile for `gguf_name`; returns (text, whether TEMPLATE was derived)."""
+    tt = turn_template(template, bos_token, eos_token, strip_bos=add_bos)
+    lines = [f"# Ollama: ollama create <name> -f Modelfile   (other quantizations in this bundle: {', '.join(others) or 'none'})",
+             f"FROM ./{gguf_name}"]
+    if tt is not None:
+        lines.append(f'TEMPLATE """{tt.go_template()}"""')
+    else:
+        lines.append("# TEMPLATE omitted: the chat template is not plain per-role text; Ollama uses the GGUF's tokenizer.chat_template")
+    lines += [f"PARAMETER stop {json.dumps(s)}" for s in dict.fromkeys(stops) if s]
+    lines.append(f"PARAMETER num_ctx {n_ctx}")
+    return "\n".join(lines) + "\n", tt is not None
+
+
+def readme(manifest: dict, modelfile_has_template: bool) -> str:
+    """The model card: what this is, how it was made and checked, how to run it."""
+    files = manifest["files"]
+    fid = {f["quant"]: f for f in manifest.get("fidelity", [])}
+    smoke = manifest.get("smoke", {})
+    rows = ["| file | type | size MiB | mean KL vs merged | top-1 agreement | smoke pass rate | sha256 |", "|---|---|---|---|---|---|---|"]
+    for f in files:
+        d, s = fid.get(f["quant"], {}), smoke.get(f["quant"], {})
+        rows.append(f"| `{f['file']}` | {f['quant']} | {f['bytes'] / 2**20:.1f} | {d.get('mean_kl', '-')} | "
+                    f"{d.get('top1_agreement', '-')} | {s.get('accuracy', '-')} | `{f['sha256'][:16]}…` |")
+    mem = manifest.get("memory_peaks", {})
+    mem_rows = ["| stage | wall s | peak GiB |", "|---|---|---|"] + [
+        f"| {k} | {v.get('wall_s', '-'):.1f} | {v.get('peak_gib', 0):.2f} |" for k, v in mem.items() if v]
+    first = files[0]["file"]
+    base = manifest["base_model"]
+    train = manifest.get("train", {})
+    loss = f"{train.get('first_loss', float('nan')):.4f} -> {train.get('final_loss', float('nan')):.4f}"
+    return "\n".join([
+        f"# {manifest['model_name']} — {manifest['version']}",
+        "",
+        f"A {'QLoRA' if manifest['adapter']['method'] == 'qlora' else 'LoRA'} fine-tune of `{base['name_or_path']}` (weights sha256 `{base['sha256'][:16]}…`), "
+        f"merged into the {manifest.get('merge', {}).get('base', '16bit')} base and exported to GGUF by train-and-export.",
+        f"Data fingerprint `{manifest['data_fingerprint'][:16]}…`; llama.cpp (llama-cpp-python) {manifest['versions'].get('llama_cpp_python')}; "
+        f"Prefect flow run `{manifest.get('prefect_flow_run_id')}`.",
+        "",
+        "## Files",
+        "",
+        *rows,
+        "",
+        "Verify: `sha256sum -c SHA256SUMS`. KL and top-1 compare each file's next-token distribution with the merged "
+        "16-bit model on held-out texts (llama.cpp on Llama-3-8B, for scale: Q4_K_M KL 0.031, top-1 91.9%).",
+        "",
+        "## Run it",
+        "",
+        "```bash",
+        f"llama-cli -m {first} -cnv                      # llama.cpp; add -ngl 99 to offload every layer to the GPU",
+        f"python -c \"from llama_cpp import Llama; print(Llama('{first}', n_gpu_layers=-1).create_chat_completion("
+        "messages=[{'role': 'user', 'content': 'Hello'}]))\"",
+        "ollama create my-model -f Modelfile && ollama run my-model",
+        "```",
+        "",
+        "The chat template is stored in each GGUF (`tokenizer.chat_template`) and used by llama.cpp's chat endpoints. "
+        + ("The Modelfile carries the same template as Ollama's Go template, checked against the Jinja rendering."
+           if modelfile_has_template else "The Modelfile leaves TEMPLATE to the one stored in the GGUF."),
+        f"Generation stops at: {', '.join(repr(s) for s in manifest.get('stop_tokens', []))}.",
+        "",
+        "## How it was made",
+        "",
+        f"Training: {train.get('steps')} steps, loss {loss}. Full config: `manifest.json` (`config`).",
+        "",
+        *mem_rows,
+        "",
+    ])
