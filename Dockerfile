@@ -1,6 +1,9 @@
-# train-and-export on a CUDA host: the same install script as CI, with llama.cpp built for CUDA.
+# train-and-export worker on a CUDA host: the same install script as CI, llama.cpp built for CUDA.
 #   docker build -t train-and-export .
-#   docker run --gpus all -v $PWD/artifacts:/app/artifacts -v /models:/models train-and-export
+#   docker run --gpus all -e PREFECT_API_URL=http://<server>:4200/api \
+#     -v $PWD/artifacts:/app/artifacts -v /models:/models train-and-export
+# By default it serves the deployments (train-and-export/default, retrain-on-new-data/scheduled)
+# and runs their flow runs on this host's GPUs; one-off: ... train-and-export python -m flows.train_and_export --config X
 FROM nvidia/cuda:12.8.1-devel-ubuntu24.04
 
 ENV DEBIAN_FRONTEND=noninteractive PIP_NO_CACHE_DIR=1 PYTHONUNBUFFERED=1 \
@@ -17,4 +20,4 @@ COPY . /app
 RUN python3 -m venv /opt/venv \
     && LIBRARY_PATH=/usr/local/cuda/lib64/stubs bash scripts/install.sh
 
-CMD ["python", "-m", "flows.train_and_export", "--config", "configs/default.yaml"]
+CMD ["python", "-m", "flows.deploy", "serve", "--config", "configs/default.yaml"]

@@ -11,12 +11,17 @@ for the run.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import sys
+import time
+from pathlib import Path
 
 from prefect import flow, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
-from prefect.cache_policies import NO_CACHE
+from prefect.cache_policies import INPUTS, TASK_SOURCE
+from prefect.concurrency.sync import concurrency
 from prefect.runtime import flow_run
 
 from stages import data, export, fidelity, handoff, llamacpp, memory, merge, preflight, smoke, train
@@ -45,24 +50,53 @@ def publish_memory_timeline(steps_file, png) -> None:
     create_table_artifact(rows[::every], key="memory-steps-train", description=f"Memory per optimizer step (every {every}); plot: {png}")
 
 
-def stage(name: str, fn):
-    """A task that runs one stage function and publishes its memory artifact."""
+GPU_LIMIT = "gpu"  # a Prefect global concurrency limit, one slot per GPU (flows.deploy creates it)
+TRANSIENT = (ConnectionError, TimeoutError, BrokenPipeError)
+
+
+def retry_transient(task, task_run, state) -> bool:
+    """Retry a stage only for errors that may pass: never a config, data, OOM or fidelity error,
+    which would fail the same way again."""
+    try:
+        state.result()
+    except TRANSIENT:
+        return True
+    except BaseException:
+        return False
+    return False
+
+
+def stage(name: str, fn, *, gpu: bool):
+    """A task that runs one stage function (holding a `gpu` slot if it uses the GPU) and
+    publishes its memory artifact.
+
+    Results are persisted and cached by the task's inputs and source: inputs include the
+    run's stage directory, so re-running a failed flow run (Prefect's Retry, or the CLI's
+    --run-id) skips every stage that completed and training resumes from its checkpoint.
+    """
 
     def body(*args, **kwargs):
-        result = fn(*args, **kwargs)
+        if os.environ.get("TAE_FAIL_STAGE") == name:  # test hook: a crash at the start of this stage
+            raise RuntimeError(f"injected failure at the start of {name} (TAE_FAIL_STAGE)")
+        with concurrency(GPU_LIMIT, occupy=1) if gpu else contextlib.nullcontext():
+            start = time.time()
+            result = fn(*args, **kwargs)
+            if gpu:  # when the slot was held, for the record (and the one-GPU-job-at-a-time test)
+                slot = {"stage": name, "acquired": start, "released": time.time(), "flow_run_id": str(flow_run.id)}
+                (Path(args[-1]) / "gpu_slot.json").write_text(json.dumps(slot))
         publish_memory(name, result.memory)
         return result
 
-    # Retries would repeat an OOM or a config error identically: none for these stages.
-    return task(name=name, cache_policy=NO_CACHE, retries=0)(body)
+    return task(name=name, cache_policy=INPUTS + TASK_SOURCE, persist_result=True,
+                retries=2, retry_delay_seconds=30, retry_condition_fn=retry_transient)(body)
 
 
-preflight_task = stage("preflight", preflight.run)
-train_task = stage("train", train.run)
-merge_task = stage("merge", merge.run)
-export_task = stage("export", export.run)
-smoke_task = stage("smoke", smoke.run)
-handoff_task = stage("handoff", handoff.run)
+preflight_task = stage("preflight", preflight.run, gpu=True)
+train_task = stage("train", train.run, gpu=True)
+merge_task = stage("merge", merge.run, gpu=True)
+export_task = stage("export", export.run, gpu=True)
+smoke_task = stage("smoke", smoke.run, gpu=True)
+handoff_task = stage("handoff", handoff.run, gpu=False)
 
 
 @flow(name="train-and-export", log_prints=True)
@@ -70,7 +104,8 @@ def train_and_export(config: str = "configs/default.yaml", overrides: list[str] 
     """Fine-tune, merge, export GGUF, smoke-test and hand off, as configured in `config`."""
     cfg = load_config(config, overrides)
     llamacpp.converter_dir()  # the converter must match the llama.cpp runtime: checked before any work
-    paths = RunPaths.for_run(cfg, run_id)
+    # A retried flow run keeps its id, hence its directory and its stages' cache keys.
+    paths = RunPaths.for_run(cfg, run_id or (f"{flow_run.name}-{str(flow_run.id)[:8]}" if flow_run.id else None))
     fingerprint = data.fingerprint([cfg.data.train_file, cfg.data.eval_file])
     print(f"run {paths.run_id}: {paths.root}  data {fingerprint[:12]}")
 

@@ -72,6 +72,8 @@ fi
 "${PIP[@]}" -q "$WHEELS"/llama_cpp_python-"$LLAMA_CPP_VERSION"-*.whl "$CONVERTER/gguf-py"
 
 log "5/5 train-and-export and its pinned dependencies"
-"${PIP[@]}" -q -e "$REPO[dev]"
+EXTRAS=dev
+if [ "$ACCEL" = cuda ]; then EXTRAS=dev,gpu; fi  # liger-kernel (Triton) only where there is a GPU
+"${PIP[@]}" -q -e "$REPO[$EXTRAS]"
 "$PY" -c "import llama_cpp, gguf, torch, transformers, peft, prefect; print('installed: torch', torch.__version__, '| transformers', transformers.__version__, '| peft', peft.__version__, '| llama_cpp', llama_cpp.__version__, '| prefect', prefect.__version__)"
 echo "converter: $CONVERTER"

@@ -107,6 +107,11 @@ class TrainingSection(Section):
     max_grad_norm: float = Field(1.0, ge=0, description="Gradient clipping; 0 disables.")
     max_steps: int = Field(100, gt=0, description="Optimizer steps.")
     gradient_checkpointing: bool = Field(True, description="Recompute activations in backward; saves memory, costs ~1/3 more compute.")
+    launcher: Literal["inprocess", "accelerate"] = Field(
+        "inprocess", description="accelerate: training runs as `accelerate launch --num_processes N -m stages.train` in a "
+        "subprocess (DDP over N GPUs; on CPU torchrun with gloo), its output streamed into the Prefect logs."
+    )
+    num_processes: int = Field(1, gt=0, description="Data-parallel processes with launcher: accelerate (one per GPU).")
     fit: Literal["memory", "speed"] = Field(
         "memory", description="memory: every layer checkpointed, checkpointed activations offloaded to CPU on a GPU "
         "(smallest footprint). speed: measured at start, as few layers checkpointed as fit preflight.gpu_memory_gib "

@@ -48,7 +48,10 @@ def resolve_model_dir(name_or_path: str) -> Path:
 
 
 def device() -> torch.device:
-    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    """This process's device: under `accelerate launch` / torchrun, the GPU of its LOCAL_RANK."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
 
 
 def compute_dtype(choice: str) -> torch.dtype:

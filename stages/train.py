@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,10 +55,49 @@ class TrainResult:
 
 
 MAX_OOM_RETRIES = 2  # each halves the micro-batch and doubles accumulation
+LAUNCHED = "TAE_LAUNCHED"  # set in the processes `accelerate launch` starts for this stage
 
 
 class TrainOOMError(RuntimeError):
     """CUDA ran out of memory and halving the micro-batch did not help (or cannot)."""
+
+
+def run_launched(cfg: RunConfig, out_dir: Path) -> TrainResult:
+    """Training as `accelerate launch` in a subprocess (launcher: accelerate), output streamed
+    line by line; the whole process group is killed if this call is interrupted (a cancelled
+    flow run), so no orphan keeps the GPUs."""
+    import signal
+    import subprocess
+    import sys
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    resolved = out_dir / "launch_config.yaml"
+    resolved.write_text(cfg.to_yaml())
+    n = cfg.training.num_processes
+    if torch.cuda.is_available():
+        launcher = ["accelerate.commands.launch", "--num_processes", str(n), "--num_machines", "1", "--mixed_precision", "no",
+                    "--dynamo_backend", "no", *(["--multi_gpu"] if n > 1 else [])]
+    else:  # accelerate's multi-CPU path needs MPI; torchrun (what it wraps on GPUs) does CPU with gloo
+        launcher = ["torch.distributed.run", "--standalone", "--nproc_per_node", str(n)]
+    cmd = [sys.executable, "-m", *launcher, "-m", "stages.train", "--config", str(resolved), "--out", str(out_dir)]
+    print("train: " + " ".join(cmd))
+    with memory.track("train", out_dir / "launcher") as meter:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                                env=os.environ | {LAUNCHED: "1", "PYTHONUNBUFFERED": "1"})
+        try:
+            for line in proc.stdout:
+                print(line.rstrip())
+            rc = proc.wait()
+        except BaseException:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise
+    if rc != 0 or not (out_dir / "train_result.json").is_file():
+        raise RuntimeError(f"accelerate launch of stages.train exited with {rc}; its output is above")
+    result = _load_result(out_dir / "train_result.json")
+    result.memory, result.skipped = result.memory or meter.report, False
+    return result
 
 
 def run(cfg: RunConfig, out_dir: Path, *, inject_oom_at: int | None = None) -> TrainResult:
@@ -76,6 +116,8 @@ def run(cfg: RunConfig, out_dir: Path, *, inject_oom_at: int | None = None) -> T
     if done.is_file() and (out_dir / "adapter" / "adapter_config.json").is_file():
         print(f"train: adapter already trained in {out_dir / 'adapter'}; skipping")
         return _load_result(done)
+    if cfg.training.launcher == "accelerate" and not os.environ.get(LAUNCHED):
+        return run_launched(cfg, out_dir)
 
     tokenizer = load_tokenizer(cfg.model)
     samples = data.read_jsonl(cfg.data.train_file)
@@ -127,12 +169,14 @@ def run(cfg: RunConfig, out_dir: Path, *, inject_oom_at: int | None = None) -> T
                     ) from e
                 raise
         wall = time.perf_counter() - t0
+        if not trainer.is_world_process_zero():  # DDP: rank 0 writes the adapter and the results
+            return None
         model.save_pretrained(out_dir / "adapter", safe_serialization=True)
         meter.extra["steps_this_process"] = trainer.state.global_step - (_step_of(resume) if resume else 0)
         meter.extra["oom_recoveries"] = recoveries
         meter.extra["fit"] = memory.jsonable(fit)
     losses = [e for e in trainer.state.log_history if "loss" in e]
-    tokens = collator.tokens
+    tokens = collator.tokens * trainer.args.world_size  # each DDP rank collates its own share
     result = TrainResult(
         adapter_dir=out_dir / "adapter",
         steps=trainer.state.global_step,
@@ -480,6 +524,7 @@ def make_trainer(cfg: RunConfig, model, train_rows: list[dict], collator: Collat
         remove_unused_columns=False,
         include_num_input_tokens_seen="no",  # its count calls .item() every micro-batch: the Collator counts instead
         report_to=[],
+        ddp_find_unused_parameters=False,  # every adapter gets a gradient; the search would cost a pass
         disable_tqdm=False,
         logging_first_step=True,
     )
@@ -515,6 +560,8 @@ class MemoryCallback(TrainerCallback):
         path.parent.mkdir(parents=True, exist_ok=True)
 
     def on_step_end(self, args, state, control, **kwargs):
+        if not state.is_world_process_zero:
+            return control
         row = {"step": state.global_step, "time": round(time.time(), 3)} | {
             k: round(v, 4) for k, v in memory.stats().items()
         }
@@ -606,6 +653,8 @@ def main(argv: list[str] | None = None) -> None:
 
     out = a.out or RunPaths.for_run(cfg).stage("train")
     r = run(cfg, out)
+    if r is None:  # a DDP rank other than 0
+        return
     print(f"adapter: {r.adapter_dir}  steps {r.steps}  loss {r.first_loss:.3f} -> {r.final_loss:.3f}  {r.tokens_per_s:.0f} tok/s")
 
 

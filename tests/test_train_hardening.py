@@ -128,3 +128,17 @@ def test_fit_choice_is_recorded(tmp_path):
     fit = json.loads((tmp_path / "train" / "fit.json").read_text())
     assert fit == r.fit and fit["checkpointed_layers"] == fit["total_layers"] == 2
     assert "no CUDA device" in fit["reason"] and fit["attention"].startswith("sdpa (cpu)")
+
+
+def test_training_runs_data_parallel_in_a_launched_subprocess(tmp_path):
+    """launcher: accelerate starts the stage in 2 processes (torchrun + gloo on CPU): twice the data per step, one adapter."""
+    runs = {}
+    for n in (1, 2):
+        cfg = load_config(write_config(tmp_path, training={"max_steps": 4, "save_steps": 4, "launcher": "accelerate", "num_processes": n}))
+        r = train.run(cfg, tmp_path / f"train{n}")
+        state = json.loads((tmp_path / f"train{n}" / "checkpoints" / "checkpoint-4" / "trainer_state.json").read_text())
+        runs[n] = (r, state["epoch"])
+        assert r.steps == 4 and (r.adapter_dir / "adapter_model.safetensors").is_file()
+        assert (tmp_path / f"train{n}" / "launch_config.yaml").is_file() and (tmp_path / f"train{n}" / "memory.json").is_file()
+    assert runs[2][1] == pytest.approx(2 * runs[1][1], rel=0.05)  # each optimizer step saw two micro-batches
+    assert runs[2][0].train_tokens > 1.5 * runs[1][0].train_tokens

@@ -1,0 +1,129 @@
+"""Serve the deployments: train-and-export on demand, and retraining when new data lands.
+
+    prefect server start --host 127.0.0.1 --port 4200 &      # SQLite under $PREFECT_HOME
+    export PREFECT_API_URL=http://127.0.0.1:4200/api
+    python -m flows.deploy serve                              # leave running; UI at http://127.0.0.1:4200
+    prefect deployment run train-and-export/default --param config=configs/default.yaml
+    python -m flows.deploy notify --config configs/default.yaml   # "new data landed" (event path)
+
+Deployments (all served by this one process; each flow run is a subprocess):
+  train-and-export/default           the pipeline; parameters config, overrides, run_id
+  retrain-on-new-data/scheduled      cron (TAE_RETRAIN_CRON, default hourly) and the event
+                                     `dataset.updated`: starts train-and-export only when the
+                                     data fingerprint differs from the last published bundle's
+
+One GPU job at a time: the GPU stages hold a slot of the global concurrency limit `gpu`
+(TAE_GPU_SLOTS slots, default: the number of CUDA devices, at least 1), created here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from prefect import flow, get_run_logger, serve
+from prefect.deployments import run_deployment
+from prefect.events import DeploymentEventTrigger, emit_event
+from prefect.events.worker import EventsWorker
+
+from flows.train_and_export import GPU_LIMIT, train_and_export
+from stages import data
+from stages.config import RunConfig, load_config
+
+PIPELINE = "train-and-export/default"
+EVENT = "dataset.updated"
+
+
+def last_published_fingerprint(cfg: RunConfig) -> str | None:
+    """The data fingerprint in the newest complete bundle's manifest (None before the first)."""
+    manifest = Path(cfg.handoff.dir) / cfg.handoff.model_name / "latest" / "manifest.json"
+    return json.loads(manifest.read_text()).get("data_fingerprint") if manifest.is_file() else None
+
+
+def data_fingerprint(cfg: RunConfig) -> str:
+    return data.fingerprint([cfg.data.train_file, cfg.data.eval_file])
+
+
+@flow(name="retrain-on-new-data", log_prints=True)
+def retrain_on_new_data(config: str = "configs/default.yaml", overrides: list[str] | None = None) -> dict:
+    """Start train-and-export if the data changed since the last published bundle.
+
+    The idempotency key is the data fingerprint, so a schedule and an event (or two events)
+    for the same data start one run, not two.
+    """
+    log = get_run_logger()
+    cfg = load_config(config, overrides)
+    new, last = data_fingerprint(cfg), last_published_fingerprint(cfg)
+    if new == last:
+        log.info(f"data {new[:12]} is what the last bundle was trained on: nothing to do")
+        return {"started": False, "fingerprint": new}
+    run = run_deployment(PIPELINE, parameters={"config": config, "overrides": overrides or []}, timeout=0, as_subflow=False,
+                         idempotency_key=f"{cfg.handoff.model_name}-data-{new[:32]}")
+    log.info(f"data {new[:12]} (last bundle: {last and last[:12]}): flow run {run.name} ({run.id})")
+    return {"started": True, "fingerprint": new, "flow_run_id": str(run.id)}
+
+
+def ensure_gpu_limit(slots: int | None = None) -> int:
+    """Create (or resize) the `gpu` global concurrency limit."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate, GlobalConcurrencyLimitUpdate
+    from prefect.exceptions import ObjectAlreadyExists
+
+    if slots is None:
+        env = os.environ.get("TAE_GPU_SLOTS")
+        if env:
+            slots = int(env)
+        else:
+            import torch
+
+            slots = max(1, torch.cuda.device_count())
+    with get_client(sync_client=True) as client:
+        try:
+            client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=GPU_LIMIT, limit=slots))
+        except ObjectAlreadyExists:
+            client.update_global_concurrency_limit(GPU_LIMIT, GlobalConcurrencyLimitUpdate(limit=slots))
+    return slots
+
+
+def deployments(config: str, cron: str):
+    return [
+        train_and_export.to_deployment(name="default", parameters={"config": config, "overrides": []}),
+        retrain_on_new_data.to_deployment(
+            name="scheduled", cron=cron, parameters={"config": config, "overrides": []},
+            triggers=[DeploymentEventTrigger(expect={EVENT}, parameters={"config": "{{ event.payload.config }}"})],
+        ),
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="Serve train-and-export deployments, or announce new data.")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("serve", help="serve the deployments (needs PREFECT_API_URL: a `prefect server start`)")
+    s.add_argument("--config", default="configs/default.yaml", help="default config of both deployments")
+    s.add_argument("--cron", default=os.environ.get("TAE_RETRAIN_CRON", "0 * * * *"), help="when to check for new data")
+    s.add_argument("--limit", type=int, default=4, help="flow runs at once (GPU stages still queue on the gpu limit)")
+    n = sub.add_parser("notify", help=f"emit `{EVENT}`: retrain if the data of this config changed")
+    n.add_argument("--config", required=True)
+    a = ap.parse_args(argv)
+    if not os.environ.get("PREFECT_API_URL"):
+        print("PREFECT_API_URL is not set: start `prefect server start --host 127.0.0.1` and export "
+              "PREFECT_API_URL=http://127.0.0.1:4200/api (deployments, schedules and events need a server)", file=sys.stderr)
+        return 2
+    if a.cmd == "notify":
+        cfg = load_config(a.config)
+        emit_event(event=EVENT, resource={"prefect.resource.id": f"train-and-export.dataset.{cfg.handoff.model_name}"},
+                   payload={"config": a.config, "fingerprint": data_fingerprint(cfg)})
+        EventsWorker.drain_all()  # sent before this short process exits
+        print(f"emitted {EVENT} for {a.config}")
+        return 0
+    load_config(a.config)  # a broken default config fails here, not at the first scheduled run
+    print(f"gpu concurrency limit: {ensure_gpu_limit()} slot(s)")
+    serve(*deployments(a.config, a.cron), limit=a.limit)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
