@@ -91,7 +91,10 @@ def run_config(model_dir: Path, row: tuple) -> RunConfig:
         "data": {"train_file": str(REPO / "assets/data/translate_train.jsonl"), "max_length": seq},
         "lora": {"r": r, "lora_alpha": 32, "target_modules": targets, "lora_dropout": 0.05 if targets == QVO else 0.0},
         "quantization": {"load_in_4bit": quant == "nf4"},
+        # measured before the offloads, Liger norms/SwiGLU, tiled MLP and 8-bit default existed: the grid's rows are that recipe
         "training": {"per_device_train_batch_size": mb, "gradient_checkpointing": ckpt, "cross_entropy": ce,
+                     "offload_activations": "off", "offload_embeddings": "off", "fused_kernels": "off", "tiled_mlp": "off",
+                     "optim": "adamw_torch",
                      "max_steps": 20, "learning_rate": 1e-4, "logging_steps": 5, "save_steps": 1000},
         "handoff": {"model_name": "bench"},
         "artifacts_dir": "/tmp/bench-artifacts",

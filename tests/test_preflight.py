@@ -20,7 +20,9 @@ QWEN7B = {"model_type": "qwen2", "vocab_size": 152064, "hidden_size": 3584, "int
 def cfg(**sections) -> RunConfig:
     raw = {"model": {"name_or_path": "x", "torch_dtype": "bfloat16"}, "data": {"train_file": "x"}, "handoff": {"model_name": "t"},
            "lora": {"r": 2, "target_modules": ["q_proj", "v_proj"], "lora_dropout": 0.0},
-           "training": {"per_device_train_batch_size": 1, "gradient_checkpointing": True, "cross_entropy": "plain"}}
+           "training": {"per_device_train_batch_size": 1, "gradient_checkpointing": True, "cross_entropy": "plain",
+                        # the recipe the estimate's coefficients were fitted on (bench/preflight_grid.py)
+                        "offload_activations": "off", "offload_embeddings": "off", "tiled_mlp": "off", "optim": "adamw_torch"}}
     for k, v in sections.items():
         raw[k] = raw.get(k, {}) | v
     return RunConfig.model_validate(raw)
@@ -44,6 +46,22 @@ def test_weights_and_adapters_match_hand_arithmetic():
     assert items(nf4, "base weights") == pytest.approx(1152 * preflight.NF4_BYTES[True] + 1640 * 2)
     paged = preflight.estimate(cfg(training={"optim": "paged_adamw_8bit"}), s, seq=10, on_gpu=True)
     assert items(paged, "LoRA") == 112 * 10
+
+
+def test_gpu_defaults_are_modelled():
+    """fit: memory on a GPU: the input table and the checkpointed layer inputs live in host memory, 8-bit AdamW."""
+    s = preflight.Shapes.from_config(TOY)
+    auto = {"offload_activations": "auto", "offload_embeddings": "auto", "tiled_mlp": "auto", "optim": "auto"}
+    est = preflight.estimate(cfg(training=auto), s, seq=10, on_gpu=True)
+    assert items(est, "base weights") == (1152 + 1640 - 100 * 8) * 2  # minus the 100 x 8 input embedding
+    assert items(est, "LoRA") == 112 * 10
+    # 2 layers' inputs at most stay on the GPU (in use, prefetched) instead of all 28 of a 7B
+    r7 = preflight.Shapes.from_config(QWEN7B)
+    on = items(preflight.estimate(cfg(training=auto), r7, seq=4096, on_gpu=True), "activations kept")
+    off = items(preflight.estimate(cfg(), r7, seq=4096, on_gpu=True), "activations kept")
+    assert on == 2 * 4096 * 3584 * 2 and off == 28 * 4096 * 3584 * 2
+    cpu = preflight.estimate(cfg(training=auto), s, seq=10, on_gpu=False)
+    assert items(cpu, "base weights") == (1152 + 1640) * 4 and items(cpu, "LoRA") == 112 * 16  # nothing offloaded on CPU
 
 
 def test_r7_weights_match_the_anchor_measurements():
