@@ -148,6 +148,10 @@ class TrainingSection(Section):
         "on data with few distinct lengths its same-length batches can stall convergence (measured on the default)."
     )
     logging_steps: int = Field(10, gt=0, description="Loss is logged every N steps (memory is recorded every step).")
+    memory_snapshot_steps: int = Field(
+        0, ge=0, description="CUDA: record every allocation of the first N optimizer steps to train/memory_snapshot.pickle "
+        "(drag into https://pytorch.org/memory_viz); an OOM while recording also dumps one next to its post-mortem. 0: off."
+    )
     save_steps: int = Field(50, gt=0, description="Checkpoint every N steps; a crash loses at most N steps.")
     save_total_limit: int = Field(2, gt=0, description="Checkpoints kept on disk.")
     seed: int = Field(0, description="Seeds adapter init and data order.")

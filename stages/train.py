@@ -130,6 +130,8 @@ def run(cfg: RunConfig, out_dir: Path, *, inject_oom_at: int | None = None) -> T
             fit = choose_fit(attempt_cfg, model, train_rows, tokenizer.pad_token_id, out_dir)
             collator = Collator(tokenizer.pad_token_id)
             hooks = [InjectOOM(inject_oom_at)] if inject_oom_at and not recoveries else []
+            if attempt_cfg.training.memory_snapshot_steps and torch.cuda.is_available() and not recoveries:
+                hooks.append(MemorySnapshot(attempt_cfg.training.memory_snapshot_steps, out_dir / "memory_snapshot.pickle"))
             trainer = make_trainer(attempt_cfg, model, train_rows, collator, out_dir, callbacks=hooks)
             resume = last_checkpoint(out_dir / "checkpoints")
             if resume:
@@ -259,6 +261,10 @@ def postmortem(err: BaseException, cfg: RunConfig, trainer, model, collator: Col
     }
     if torch.cuda.is_available():
         report["memory_summary"] = torch.cuda.memory_summary()
+        if MemorySnapshot.recording:
+            snap = path.with_suffix(".pickle")
+            torch.cuda.memory._dump_snapshot(str(snap))
+            report["snapshot"] = str(snap)
     path.write_text(json.dumps(report, indent=2))
     return report
 
@@ -274,6 +280,27 @@ def _free_cuda() -> None:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+class MemorySnapshot(TrainerCallback):
+    """Every CUDA allocation (with its stack) of the first `steps` optimizer steps, for PyTorch's memory viewer."""
+
+    recording = False
+
+    def __init__(self, steps: int, path: Path) -> None:
+        self.steps, self.path = steps, path
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        torch.cuda.memory._record_memory_history(max_entries=200_000)
+        MemorySnapshot.recording = True
+        return control
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if MemorySnapshot.recording and state.global_step >= self.steps:
+            torch.cuda.memory._dump_snapshot(str(self.path))
+            torch.cuda.memory._record_memory_history(enabled=None)
+            MemorySnapshot.recording = False
+        return control
 
 
 class InjectOOM(TrainerCallback):
