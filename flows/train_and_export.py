@@ -31,7 +31,7 @@ from stages.paths import RunPaths
 
 # Problems in the user's inputs: one message, no traceback.
 USER_ERRORS = (ConfigError, data.DataError, preflight.PreflightError, smoke.SmokeError, FileNotFoundError, llamacpp.ConverterMismatch,
-               fidelity.FidelityError)
+               fidelity.FidelityError, llamacpp.UnsupportedArchitecture)
 
 
 def publish_memory(stage: str, report: MemoryReport | None) -> None:

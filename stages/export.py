@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
+import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -114,8 +116,17 @@ def convert(meter: memory.track, converter: Path, merged_dir: Path, dst: Path, o
     """convert_hf_to_gguf.py in a subprocess (its peak RSS is measured as the stage's child)."""
     tmp = dst.with_suffix(".gguf.partial")
     cmd = [sys.executable, str(converter / "convert_hf_to_gguf.py"), str(merged_dir), "--outfile", str(tmp), "--outtype", outtype]
-    proc = meter.run(cmd)
+    proc = meter.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    print(proc.stdout)
     if proc.returncode != 0 or not tmp.is_file():
+        tmp.unlink(missing_ok=True)
+        unsupported = re.search(r"Model (\S+) is not supported", proc.stdout or "")
+        if unsupported:
+            raise llamacpp.UnsupportedArchitecture(
+                f"llama.cpp's converter (llama-cpp-python {llamacpp.runtime_version()}) does not support the architecture "
+                f"{unsupported.group(1)} of {merged_dir}; nothing was exported. Use a base model of a supported family "
+                "(Llama, Qwen2, Mistral, Gemma, Phi, ...) or a llama-cpp-python release whose converter lists it"
+            )
         raise RuntimeError(f"convert_hf_to_gguf.py failed (exit {proc.returncode}) on {merged_dir}; its output is above")
     tmp.rename(dst)
 

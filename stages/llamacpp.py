@@ -17,6 +17,10 @@ CACHE = Path(os.environ.get("TAE_CACHE_DIR", Path(os.environ.get("XDG_CACHE_HOME
 MAX_METADATA_STRING = 1 << 20  # a chat template or any string over 1 MiB in GGUF metadata is refused
 
 
+class UnsupportedArchitecture(ValueError):
+    """llama.cpp's converter has no mapping for the model's architecture."""
+
+
 class ConverterMismatch(RuntimeError):
     """The converter on disk is not from the installed llama.cpp runtime's sdist."""
 
@@ -65,7 +69,10 @@ def read_gguf(path: Path) -> dict:
     """
     from gguf import GGUFReader, GGUFValueType
 
-    reader = GGUFReader(str(path))
+    try:
+        reader = GGUFReader(str(path))
+    except (ValueError, OSError, IndexError) as e:  # gguf-py's messages do not say which file
+        raise ValueError(f"{Path(path).name}: not a readable GGUF file ({e}); re-export it") from None
     fields = {}
     for key, field in reader.fields.items():
         if key.startswith("GGUF."):

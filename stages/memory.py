@@ -162,7 +162,7 @@ class track:
             text = Path(peak.name).read_text().strip()
         if text:
             self.child_peak_gib = max(self.child_peak_gib or 0.0, int(text) * 1024 / GIB)
-        return subprocess.CompletedProcess(cmd, proc.returncode)
+        return subprocess.CompletedProcess(cmd, proc.returncode, proc.stdout, proc.stderr)
 
     def __exit__(self, *exc) -> None:
         r = MemoryReport(

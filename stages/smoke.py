@@ -134,7 +134,10 @@ def plan_offload(info: dict, n_ctx: int, gpu_memory_gib: float | None, gpu_offlo
 def smoke_file(s: SmokeSection, quant: str, path: Path, prompts: list[data.Sample]) -> SmokeFile:
     import llama_cpp
 
-    info = llamacpp.read_gguf(path)
+    try:
+        info = llamacpp.read_gguf(path)
+    except ValueError as e:
+        raise SmokeError(f"{e}; nothing was handed off") from None
     plan = plan_offload(info, s.n_ctx, s.gpu_memory_gib, llama_cpp.llama_supports_gpu_offload())
     before = memory.nvml_used_gib()
     t0 = time.perf_counter()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -111,3 +112,22 @@ def test_fidelity_gate_passes_real_files_and_stops_a_corrupted_one(run_dir, tmp_
     _corrupt(run_dir / "export" / "model-Q4_K_M.gguf", bad, "blk.1.ffn_down.weight")
     with pytest.raises(fidelity.FidelityError, match=r"model-Q4_K_M.gguf: mean KL .* top-1 agreement .*Nothing was handed off"):
         export.check_fidelity(cfg, tok, run_dir / "merge" / "model", [("Q4_K_M", bad)])
+
+
+def test_an_architecture_the_converter_does_not_know_stops_with_one_message(run_dir, tmp_path):
+    merged = tmp_path / "model"
+    shutil.copytree(run_dir / "merge" / "model", merged)
+    config = json.loads((merged / "config.json").read_text())
+    (merged / "config.json").write_text(json.dumps(config | {"architectures": ["MadeUpForCausalLM"]}))
+    cfg = load_config(write_config(tmp_path))
+    with pytest.raises(ValueError, match=r"does not support the architecture MadeUpForCausalLM.*nothing was exported"):
+        export.run(cfg, merged, tmp_path / "export")
+    assert not list((tmp_path / "export").glob("*.gguf*"))
+
+
+def test_a_gguf_that_does_not_load_stops_the_smoke_test(tmp_path):
+    bad = tmp_path / "model-Q4_K_M.gguf"
+    bad.write_bytes(b"GGUF" + bytes(64))
+    cfg = load_config(write_config(tmp_path))
+    with pytest.raises(smoke.SmokeError, match=r"model-Q4_K_M.gguf: not a readable GGUF file.*nothing was handed off"):
+        smoke.run(cfg, [("Q4_K_M", bad)], tmp_path / "smoke")
