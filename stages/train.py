@@ -64,8 +64,9 @@ class TrainOOMError(RuntimeError):
 
 def run_launched(cfg: RunConfig, out_dir: Path) -> TrainResult:
     """Training as `accelerate launch` in a subprocess (launcher: accelerate), output streamed
-    line by line; the whole process group is killed if this call is interrupted (a cancelled
-    flow run), so no orphan keeps the GPUs."""
+    line by line. If this call is interrupted (a cancelled flow run: SIGTERM, or an exception)
+    the launcher's process group is stopped, and if this process is killed outright the
+    launcher gets SIGTERM from the kernel: no orphan keeps the GPUs."""
     import signal
     import subprocess
     import sys
@@ -84,20 +85,64 @@ def run_launched(cfg: RunConfig, out_dir: Path) -> TrainResult:
     print("train: " + " ".join(cmd))
     with memory.track("train", out_dir / "launcher") as meter:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                                env=os.environ | {LAUNCHED: "1", "PYTHONUNBUFFERED": "1"})
+                                env=os.environ | {LAUNCHED: "1", "PYTHONUNBUFFERED": "1"}, preexec_fn=_die_with_parent)
+        # A cancelled flow run gets SIGTERM; turn it into an exception so the launcher is stopped below.
+        previous = _raise_on_sigterm()
         try:
             for line in proc.stdout:
                 print(line.rstrip())
             rc = proc.wait()
         except BaseException:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+            _stop(proc)
             raise
+        finally:
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
     if rc != 0 or not (out_dir / "train_result.json").is_file():
         raise RuntimeError(f"accelerate launch of stages.train exited with {rc}; its output is above")
     result = _load_result(out_dir / "train_result.json")
     result.memory, result.skipped = result.memory or meter.report, False
     return result
+
+
+def _die_with_parent() -> None:
+    """In the launcher (Linux): SIGTERM when this process dies, even by SIGKILL; torchrun then stops its ranks."""
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def _raise_on_sigterm():
+    import signal
+
+    def handler(signum, frame):
+        raise SystemExit(f"train: stopped by signal {signum}")
+
+    try:
+        return signal.signal(signal.SIGTERM, handler)
+    except ValueError:  # not the main thread: the launcher still dies with this process (PDEATHSIG)
+        return None
+
+
+def _stop(proc, grace_s: float = 30) -> None:
+    """SIGTERM to the launcher's process group (torchrun forwards it to the ranks), SIGKILL after `grace_s`."""
+    import signal
+    import subprocess
+
+    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
 
 
 def run(cfg: RunConfig, out_dir: Path, *, inject_oom_at: int | None = None) -> TrainResult:
