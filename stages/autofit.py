@@ -29,6 +29,7 @@ class FitChoice:
     checkpointed_layers: int
     total_layers: int
     offload_activations: bool
+    offload_embeddings: bool = False
     budget_gib: float | None = None
     usable_gib: float | None = None
     per_layer_gib: float | None = None
@@ -45,10 +46,10 @@ def choose(cfg: RunConfig, model, worst_batch: dict, trainable_params: int, opti
         trainable_params, optim: size the optimizer states, allocated only at the first step.
     """
     from stages.preflight import CUDA_CONTEXT_GIB, OPTIM_BYTES
-    from stages.train import checkpoint_only, checkpointed_layers, offload_activations
+    from stages.train import checkpoint_only, checkpointed_layers, offload_activations, offload_embeddings
 
     n, total = checkpointed_layers(model)
-    choice = FitChoice(cfg.training.fit, n, total, offload_activations(cfg))
+    choice = FitChoice(cfg.training.fit, n, total, offload_activations(cfg), offload_embeddings(cfg))
     if cfg.training.fit == "memory" or not cfg.training.gradient_checkpointing or not torch.cuda.is_available():
         choice.reason = ("fit: memory: every layer checkpointed" + (", saved activations offloaded to CPU" if choice.offload_activations else "")
                          if cfg.training.fit == "memory" else
