@@ -46,10 +46,12 @@ def choose(cfg: RunConfig, model, worst_batch: dict, trainable_params: int, opti
         trainable_params, optim: size the optimizer states, allocated only at the first step.
     """
     from stages.preflight import CUDA_CONTEXT_GIB, OPTIM_BYTES
-    from stages.train import checkpoint_only, checkpointed_layers, offload_activations, offload_embeddings
+    from stages.offload import HostEmbedding
+    from stages.train import checkpoint_only, checkpointed_layers, offload_activations
 
     n, total = checkpointed_layers(model)
-    choice = FitChoice(cfg.training.fit, n, total, offload_activations(cfg), offload_embeddings(cfg))
+    on_host = isinstance(model.get_input_embeddings(), HostEmbedding)  # not when tied to lm_head
+    choice = FitChoice(cfg.training.fit, n, total, offload_activations(cfg), on_host)
     if cfg.training.fit == "memory" or not cfg.training.gradient_checkpointing or not torch.cuda.is_available():
         choice.reason = ("fit: memory: every layer checkpointed" + (", saved activations offloaded to CPU" if choice.offload_activations else "")
                          if cfg.training.fit == "memory" else
