@@ -13,7 +13,7 @@ Deployments (all served by this one process; each flow run is a subprocess):
                                      data fingerprint differs from the last published bundle's
 
 One GPU job at a time: the GPU stages hold a slot of the global concurrency limit `gpu`
-(TAE_GPU_SLOTS slots, default: the number of CUDA devices, at least 1), created here.
+(one slot per host: TAE_GPU_SLOTS to change), created here.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import sys
 from pathlib import Path
 
 from prefect import flow, get_run_logger, serve
+from prefect.client.schemas.objects import StateType
 from prefect.deployments import run_deployment
 from prefect.events import DeploymentEventTrigger, emit_event
 from prefect.events.worker import EventsWorker
@@ -60,10 +61,23 @@ def retrain_on_new_data(config: str = "configs/default.yaml", overrides: list[st
     if new == last:
         log.info(f"data {new[:12]} is what the last bundle was trained on: nothing to do")
         return {"started": False, "fingerprint": new}
+    tag = f"data-{new[:16]}"
+    # The key dedupes a schedule and an event for the same data; a failed or cancelled run of
+    # it must not block that data forever, so each such run moves the key on.
+    dead = sum(r.state is not None and r.state.type in (StateType.FAILED, StateType.CRASHED, StateType.CANCELLED)
+               for r in _runs_tagged(tag))
     run = run_deployment(PIPELINE, parameters={"config": config, "overrides": overrides or []}, timeout=0, as_subflow=False,
-                         idempotency_key=f"{cfg.handoff.model_name}-data-{new[:32]}")
+                         tags=[tag], idempotency_key=f"{cfg.handoff.model_name}-data-{new[:32]}-attempt-{dead}")
     log.info(f"data {new[:12]} (last bundle: {last and last[:12]}): flow run {run.name} ({run.id})")
     return {"started": True, "fingerprint": new, "flow_run_id": str(run.id)}
+
+
+def _runs_tagged(tag: str) -> list:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterTags
+
+    with get_client(sync_client=True) as client:
+        return client.read_flow_runs(flow_run_filter=FlowRunFilter(tags=FlowRunFilterTags(all_=[tag])))
 
 
 def ensure_gpu_limit(slots: int | None = None) -> int:
@@ -73,13 +87,10 @@ def ensure_gpu_limit(slots: int | None = None) -> int:
     from prefect.exceptions import ObjectAlreadyExists
 
     if slots is None:
-        env = os.environ.get("TAE_GPU_SLOTS")
-        if env:
-            slots = int(env)
-        else:
-            import torch
-
-            slots = max(1, torch.cuda.device_count())
+        # One slot per host: a run's stages use the host's GPU (cuda:0, or every GPU under
+        # launcher: accelerate). More slots only make sense with one serve process per GPU,
+        # each pinned by CUDA_VISIBLE_DEVICES and given its own TAE_GPU_LIMIT name.
+        slots = int(os.environ.get("TAE_GPU_SLOTS", "1"))
     with get_client(sync_client=True) as client:
         try:
             client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=GPU_LIMIT, limit=slots))

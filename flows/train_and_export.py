@@ -50,7 +50,7 @@ def publish_memory_timeline(steps_file, png) -> None:
     create_table_artifact(rows[::every], key="memory-steps-train", description=f"Memory per optimizer step (every {every}); plot: {png}")
 
 
-GPU_LIMIT = "gpu"  # a Prefect global concurrency limit, one slot per GPU (flows.deploy creates it)
+GPU_LIMIT = os.environ.get("TAE_GPU_LIMIT", "gpu")  # a Prefect global concurrency limit (flows.deploy creates it)
 TRANSIENT = (ConnectionError, TimeoutError, BrokenPipeError)
 
 

@@ -17,7 +17,7 @@ import torch
 
 from stages.config import RunConfig
 from stages.memory import GIB
-from stages.modelio import compute_dtype
+from stages.modelio import compute_dtype, device
 
 PROBE_LAYERS = 2
 MAX_PROBES = 6  # one forward + backward each
@@ -45,21 +45,28 @@ def choose(cfg: RunConfig, model, worst_batch: dict, trainable_params: int, opti
         worst_batch: a collated micro-batch of the longest rows.
         trainable_params, optim: size the optimizer states, allocated only at the first step.
     """
-    from stages.preflight import CUDA_CONTEXT_GIB, OPTIM_BYTES
     from stages.offload import HostEmbedding
-    from stages.train import checkpoint_only, checkpointed_layers, offload_activations
+    from stages.train import checkpointed_layers, offload_activations
 
     n, total = checkpointed_layers(model)
     on_host = isinstance(model.get_input_embeddings(), HostEmbedding)  # not when tied to lm_head
     choice = FitChoice(cfg.training.fit, n, total, offload_activations(cfg), on_host)
-    if cfg.training.fit == "memory" or not cfg.training.gradient_checkpointing or not torch.cuda.is_available():
+    if cfg.training.fit == "memory" or not cfg.training.gradient_checkpointing or not torch.cuda.is_available() or total == 0:
         choice.reason = ("fit: memory: every layer checkpointed" + (", saved activations offloaded to CPU" if choice.offload_activations else "")
                          if cfg.training.fit == "memory" else
                          "gradient_checkpointing is off: nothing to choose" if not cfg.training.gradient_checkpointing else
-                         "no CUDA device: every layer checkpointed")
+                         "no CUDA device: every layer checkpointed" if not torch.cuda.is_available() else
+                         "the model has no checkpointable decoder layers")
         return choice
+    with torch.cuda.device(device()):  # under DDP each rank measures its own GPU
+        return _choose_speed(cfg, model, worst_batch, trainable_params, optim, choice, total)
 
-    budget = cfg.preflight.gpu_memory_gib or torch.cuda.get_device_properties(0).total_memory / GIB
+
+def _choose_speed(cfg: RunConfig, model, worst_batch: dict, trainable_params: int, optim: str, choice: FitChoice, total: int) -> FitChoice:
+    from stages.preflight import CUDA_CONTEXT_GIB, OPTIM_BYTES
+    from stages.train import checkpoint_only
+
+    budget = cfg.preflight.gpu_memory_gib or torch.cuda.get_device_properties(device()).total_memory / GIB
     usable = (budget - CUDA_CONTEXT_GIB) * (1 - cfg.preflight.margin)
     states = trainable_params * OPTIM_BYTES.get(optim, 8) / GIB
     choice.budget_gib, choice.usable_gib = round(budget, 3), round(usable, 3)

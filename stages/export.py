@@ -134,7 +134,7 @@ def convert(meter: memory.track, converter: Path, merged_dir: Path, dst: Path, o
 def check_fidelity(cfg: RunConfig, tokenizer, merged_dir: Path, ggufs: list[tuple[str, Path]]) -> list[fidelity.Fidelity]:
     """Every GGUF against the merged model on held-out texts; FidelityError on a breach."""
     texts = _eval_texts(cfg, tokenizer, cfg.export.fidelity.samples)
-    sequences = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    sequences = [tokenizer(t, add_special_tokens=False)["input_ids"][: fidelity.MAX_TOKENS] for t in texts]
     ref = fidelity.reference(merged_dir, sequences)
     results = [fidelity.measure(q, p, sequences, ref, cfg.export.fidelity) for q, p in ggufs]
     for r in results:

@@ -18,6 +18,10 @@ import torch
 
 from stages.config import FidelitySection
 
+# Full-vocabulary float32 log-probs are kept per position (152k vocab: 0.6 MB each), and
+# llama.cpp's logits_all holds n_ctx x vocab: each text is cut to this many tokens.
+MAX_TOKENS = 512
+
 
 class FidelityError(RuntimeError):
     """A GGUF drifted further from the merged model than export.fidelity allows."""
@@ -59,6 +63,11 @@ def reference(merged_dir: Path, sequences: list[list[int]]) -> list[torch.Tensor
         return log_probs(model, sequences)
     finally:
         del model
+        import gc
+
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()  # llama.cpp loads the GGUFs onto this GPU next
 
 
 def compare(p_logs: list[torch.Tensor], q_logs: list[torch.Tensor]) -> tuple[torch.Tensor, float]:

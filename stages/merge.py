@@ -92,7 +92,9 @@ def run(cfg: RunConfig, adapter_dir: Path, out_dir: Path) -> MergeResult:
                 del merged  # one 16-bit model in memory at a time (two would double the peak: 32 GiB on a 7B)
                 _free()
         best = min(kl, key=lambda k: kl[k]["mean_kl"]) if kl else choices[-1]
-        if best != choice:  # the earlier candidate won: build it again
+        if best != choice:  # the earlier candidate won: drop the later one, build the winner again
+            del merged
+            _free()
             merged, diff = _merge(cfg, adapter_dir, best, sequences)
         choice = best
         merged.to(save_dtype).save_pretrained(merged_dir, safe_serialization=True)
@@ -162,7 +164,8 @@ def _checkpoint_dtype(model_dir: Path) -> torch.dtype:
 def _eval_sequences(cfg: RunConfig, tokenizer) -> list[list[int]]:
     """Token ids of held-out chat texts, as training tokenized them."""
     texts = [tokenizer.apply_chat_template(list(s.messages), tokenize=False) for s in data.held_out(cfg, cfg.merge.samples)]
-    return [tokenizer(t, add_special_tokens=False, truncation=True, max_length=cfg.data.max_length)["input_ids"] for t in texts]
+    limit = min(cfg.data.max_length, fidelity.MAX_TOKENS)  # full-vocabulary log-probs per position are kept
+    return [tokenizer(t, add_special_tokens=False)["input_ids"][:limit] for t in texts]
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -100,8 +100,9 @@ def turn_template(template: str, bos_token: str, eos_token: str, *, strip_bos: b
             return None
     except TemplateError:
         return None
-    if "{{" in tt.go_template().replace("{{ ", "").replace(" }}", ""):
-        return None
+    pieces = [tt.prefix, tt.generation, *tt.user, *tt.assistant, *(tt.system or ())]
+    if any(bad in p for p in pieces for bad in ('"""', "{{", "}}")):
+        return None  # would end the Modelfile's TEMPLATE block or be read as Go template code
     if strip_bos and bos_token and tt.prefix.startswith(bos_token):
         tt.prefix = tt.prefix[len(bos_token):]  # llama.cpp adds BOS itself (tokenizer.ggml.add_bos_token)
     return tt

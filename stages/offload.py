@@ -3,7 +3,8 @@
 With full checkpointing the tensors saved outside the checkpointed layers are mostly the
 layers' inputs: 28 x 2 x 4096 x 3584 x 2 B = 1.6 GiB for a 7B at 2 x 4096 tokens, 16 GiB at
 80k tokens. Moving them to the host is what lets a 7B QLoRA train under 8 GiB and at long
-context under 24 GiB.
+context under 24 GiB. That much pinned host memory is held per micro-batch, up to twice it
+while torch's pinned allocator rounds blocks up to powers of two; train releases it at the end.
 
 `torch.autograd.graph.save_on_cpu` does the same, but its device-to-host copy blocks the
 host at every saved tensor and its host-to-device copy waits in the compute stream; on R7

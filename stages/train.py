@@ -85,9 +85,9 @@ def run_launched(cfg: RunConfig, out_dir: Path) -> TrainResult:
     print("train: " + " ".join(cmd))
     with memory.track("train", out_dir / "launcher") as meter:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                                env=os.environ | {LAUNCHED: "1", "PYTHONUNBUFFERED": "1"}, preexec_fn=_die_with_parent)
-        # A cancelled flow run gets SIGTERM; turn it into an exception so the launcher is stopped below.
-        previous = _raise_on_sigterm()
+                                env=os.environ | {LAUNCHED: "1", "PYTHONUNBUFFERED": "1"}, preexec_fn=die_with_parent)
+        # A cancelled flow run gets SIGTERM: stop the launcher first, then let Prefect's own handler act.
+        installed, previous = _stop_on_sigterm(proc)
         try:
             for line in proc.stdout:
                 print(line.rstrip())
@@ -96,7 +96,7 @@ def run_launched(cfg: RunConfig, out_dir: Path) -> TrainResult:
             _stop(proc)
             raise
         finally:
-            if previous is not None:
+            if installed:
                 signal.signal(signal.SIGTERM, previous)
     if rc != 0 or not (out_dir / "train_result.json").is_file():
         raise RuntimeError(f"accelerate launch of stages.train exited with {rc}; its output is above")
@@ -105,30 +105,41 @@ def run_launched(cfg: RunConfig, out_dir: Path) -> TrainResult:
     return result
 
 
-def _die_with_parent() -> None:
-    """In the launcher (Linux): SIGTERM when this process dies, even by SIGKILL; torchrun then stops its ranks."""
+try:  # loaded before any fork: only the prctl call itself runs between fork and exec
     import ctypes
+
+    _LIBC = ctypes.CDLL("libc.so.6", use_errno=True)
+except OSError:  # not Linux
+    _LIBC = None
+
+
+def die_with_parent() -> None:
+    """Linux: this process gets SIGTERM when its parent dies, even by SIGKILL (PR_SET_PDEATHSIG).
+    Set in the launcher (whose parent is the flow run) and in each rank (whose parent is the launcher)."""
     import signal
 
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
+    if _LIBC is not None:
+        _LIBC.prctl(1, signal.SIGTERM)
 
 
-def _raise_on_sigterm():
+def _stop_on_sigterm(proc):
+    """Install a SIGTERM handler that stops `proc`'s group and then defers to the previous handler."""
     import signal
 
     def handler(signum, frame):
+        _stop(proc)
+        if callable(previous):
+            previous(signum, frame)
         raise SystemExit(f"train: stopped by signal {signum}")
 
     try:
-        return signal.signal(signal.SIGTERM, handler)
+        previous = signal.signal(signal.SIGTERM, handler)
     except ValueError:  # not the main thread: the launcher still dies with this process (PDEATHSIG)
-        return None
+        return False, None
+    return True, signal.SIG_DFL if previous is None else previous
 
 
-def _stop(proc, grace_s: float = 30) -> None:
+def _stop(proc, grace_s: float = 10) -> None:
     """SIGTERM to the launcher's process group (torchrun forwards it to the ranks), SIGKILL after `grace_s`."""
     import signal
     import subprocess
@@ -216,6 +227,8 @@ def run(cfg: RunConfig, out_dir: Path, *, inject_oom_at: int | None = None) -> T
                     ) from e
                 raise
         wall = time.perf_counter() - t0
+        trainer.offload = None  # its pinned host copies
+        _free_cuda()
         if not trainer.is_world_process_zero():  # DDP: rank 0 writes the adapter and the results
             return None
         model.save_pretrained(out_dir / "adapter", safe_serialization=True)
@@ -325,6 +338,12 @@ def _free_cuda() -> None:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+        # pinned host blocks of the activation offload stay cached (rounded up to powers of two)
+        # until released: the stages after training run in this process
+        for name in ("_accelerator_emptyHostCache", "_host_emptyCache"):
+            if hasattr(torch._C, name):
+                getattr(torch._C, name)()
+                break
 
 
 class MemorySnapshot(TrainerCallback):
@@ -720,6 +739,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override, e.g. training.max_steps=20")
     ap.add_argument("--out", type=Path, help="stage directory (default: artifacts/runs/<new id>/train)")
     a = ap.parse_args(argv)
+    if os.environ.get(LAUNCHED):  # a rank started by run_launched: never outlive the launcher
+        die_with_parent()
+        if os.getppid() == 1:
+            raise SystemExit("train: the launcher is already gone")
     cfg = load_config(a.config, a.set)
     from stages.paths import RunPaths
 
