@@ -302,8 +302,11 @@ def estimate(cfg: RunConfig, s: Shapes, seq: int, on_gpu: bool, coef: dict | Non
         weights = linear_params * NF4_BYTES[q.bnb_4bit_use_double_quant] + other_params * act
     else:
         weights = (linear_params + other_params) * act
-    gpu = _gpu_settings(cfg, on_gpu, s)
-    if gpu["offload_embeddings"]:  # the input table lives in host memory
+    from stages.train import resolve_auto
+
+    gpu = resolve_auto(cfg, on_gpu=on_gpu)  # the settings as the train stage resolves them there
+    host_embeddings = gpu["offload_embeddings"] and not s.tied  # a table tied to lm_head stays on the GPU
+    if host_embeddings:
         weights -= s.vocab * s.hidden * act
     targets = list(lin) if lo.target_modules == "all-linear" else [m for m in lo.target_modules if m in lin]
     lora_params = s.layers * sum(lo.r * (lin[m][0] + lin[m][1]) for m in targets)
@@ -330,7 +333,7 @@ def estimate(cfg: RunConfig, s: Shapes, seq: int, on_gpu: bool, coef: dict | Non
     overhead = (0.0 if chunked else k["frag_logits"] * tokens * s.vocab) + k["frag_gib"] * GIB if on_gpu else 0.0
     items = {
         "base weights" + (" (NF4 + 16-bit embeddings)" if q.load_in_4bit else "")
-        + (", input embedding in host memory" if gpu["offload_embeddings"] else ""): weights,
+        + (", input embedding in host memory" if host_embeddings else ""): weights,
         f"LoRA weights+grads+{gpu['optim']} ({lora_params / 1e6:.1f} M params)": adapters,
         "activations kept for backward" + (" (layer inputs, checkpointed" + (", offloaded to host)" if gpu["offload_activations"] else ")")
                                            if t.gradient_checkpointing else " (all layers)"): kept,
@@ -341,19 +344,6 @@ def estimate(cfg: RunConfig, s: Shapes, seq: int, on_gpu: bool, coef: dict | Non
     assert abs(sum(items.values()) - allocated - overhead) < 1e3
     gib = {key: round(v / GIB, 4) for key, v in items.items()}
     return Estimate(gib, round(sum(items.values()) / GIB, 4), items)
-
-
-def _gpu_settings(cfg: RunConfig, on_gpu: bool, s: Shapes) -> dict:
-    """The memory-relevant `auto` settings resolved as the train stage resolves them on a GPU
-    (stages.train decides from the machine it runs on; the estimate from `on_gpu`)."""
-    t = cfg.training
-    memory_first = on_gpu and t.fit == "memory"
-    return {
-        "offload_activations": t.offload_activations == "on" or (t.offload_activations == "auto" and memory_first and t.gradient_checkpointing),
-        "offload_embeddings": not s.tied and (t.offload_embeddings == "on" or (t.offload_embeddings == "auto" and memory_first)),
-        "tiled_mlp": t.tiled_mlp == "on" or (t.tiled_mlp == "auto" and on_gpu and cfg.data.max_length * t.per_device_train_batch_size >= 32768),
-        "optim": t.optim if t.optim != "auto" else ("paged_adamw_8bit" if memory_first else "adamw_torch_fused" if on_gpu else "adamw_torch"),
-    }
 
 
 def _loss_mode(cfg: RunConfig, on_gpu: bool) -> str:

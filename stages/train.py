@@ -420,54 +420,62 @@ def linear_module_names(model) -> set[str]:
     return names
 
 
-def fused_kernels(cfg: RunConfig) -> bool:
-    choice = cfg.training.fused_kernels
-    if choice == "on" and not (device().type == "cuda" and _has_liger()):
-        raise ValueError(
-            "training.fused_kernels: on needs a CUDA GPU and liger-kernel (`pip install -e .[gpu]`); set it to auto or off"
-        )
-    return choice == "on" or (choice == "auto" and device().type == "cuda" and _has_liger())
-
-
-def offload_activations(cfg: RunConfig) -> bool:
-    t = cfg.training
-    if t.offload_activations == "on" and device().type != "cuda":
-        raise ValueError("training.offload_activations: on needs a CUDA GPU (pinned host memory, copy streams); set it to auto or off")
-    if t.offload_activations == "auto":
-        return device().type == "cuda" and t.fit == "memory" and t.gradient_checkpointing
-    return t.offload_activations == "on"
-
-
-def offload_embeddings(cfg: RunConfig) -> bool:
-    t = cfg.training
-    if t.offload_embeddings == "on" and device().type != "cuda":
-        raise ValueError("training.offload_embeddings: on needs a CUDA GPU (the table is already in host memory on CPU); set it to auto or off")
-    return t.offload_embeddings == "on" or (t.offload_embeddings == "auto" and device().type == "cuda" and t.fit == "memory")
-
-
-def optimizer(cfg: RunConfig) -> str:
-    """auto, on a GPU: 8-bit paged AdamW when memory comes first (-0.24 GiB, -1.5% tokens/s on R7),
-    fused AdamW when speed does; plain AdamW on CPU."""
-    import importlib.util
-
-    if cfg.training.optim != "auto":
-        return cfg.training.optim
-    if device().type != "cuda":
-        return "adamw_torch"
-    if cfg.training.fit == "memory" and importlib.util.find_spec("bitsandbytes") is not None:
-        return "paged_adamw_8bit"
-    return "adamw_torch_fused"
-
-
 TILE_FROM_TOKENS = 32768
 
 
+def resolve_auto(cfg: RunConfig, *, on_gpu: bool, liger: bool = True, bnb: bool = True) -> dict:
+    """What the `auto` training settings become on a GPU (`on_gpu`) or a CPU.
+
+    The one place they are decided: training passes what this machine has, the preflight
+    estimate the device it estimates for.
+    """
+    t = cfg.training
+    memory_first = on_gpu and t.fit == "memory"
+    long_batches = cfg.data.max_length * t.per_device_train_batch_size >= TILE_FROM_TOKENS
+    return {
+        "fused_kernels": t.fused_kernels == "on" or (t.fused_kernels == "auto" and on_gpu and liger),
+        "offload_activations": t.offload_activations == "on"
+        or (t.offload_activations == "auto" and memory_first and t.gradient_checkpointing),
+        "offload_embeddings": t.offload_embeddings == "on" or (t.offload_embeddings == "auto" and memory_first),
+        "tiled_mlp": t.tiled_mlp == "on" or (t.tiled_mlp == "auto" and on_gpu and liger and long_batches),
+        # 8-bit paged AdamW when memory comes first (-0.24 GiB, -1.5% tokens/s on R7), fused AdamW when speed does
+        "optim": t.optim if t.optim != "auto" else
+        "paged_adamw_8bit" if memory_first and bnb else "adamw_torch_fused" if on_gpu else "adamw_torch",
+    }
+
+
+def _resolved(cfg: RunConfig, key: str) -> bool | str:
+    """`key` of resolve_auto on this machine; a GPU-only setting forced `on` without a GPU is an error."""
+    import importlib.util
+
+    on_gpu = device().type == "cuda"
+    needs = {"fused_kernels": "a CUDA GPU and liger-kernel (`pip install -e .[gpu]`)",
+             "tiled_mlp": "a CUDA GPU and liger-kernel (`pip install -e .[gpu]`)",
+             "offload_activations": "a CUDA GPU (pinned host memory, copy streams)",
+             "offload_embeddings": "a CUDA GPU (the table is already in host memory on CPU)"}
+    if key in needs and getattr(cfg.training, key) == "on" and not (on_gpu and (_has_liger() or "liger" not in needs[key])):
+        raise ValueError(f"training.{key}: on needs {needs[key]}; set it to auto or off")
+    return resolve_auto(cfg, on_gpu=on_gpu, liger=_has_liger(), bnb=importlib.util.find_spec("bitsandbytes") is not None)[key]
+
+
+def fused_kernels(cfg: RunConfig) -> bool:
+    return _resolved(cfg, "fused_kernels")
+
+
+def offload_activations(cfg: RunConfig) -> bool:
+    return _resolved(cfg, "offload_activations")
+
+
+def offload_embeddings(cfg: RunConfig) -> bool:
+    return _resolved(cfg, "offload_embeddings")
+
+
+def optimizer(cfg: RunConfig) -> str:
+    return _resolved(cfg, "optim")
+
+
 def tiled_mlp(cfg: RunConfig) -> bool:
-    choice = cfg.training.tiled_mlp
-    if choice == "on" and not (device().type == "cuda" and _has_liger()):
-        raise ValueError("training.tiled_mlp: on needs a CUDA GPU and liger-kernel (`pip install -e .[gpu]`); set it to auto or off")
-    tokens = cfg.data.max_length * cfg.training.per_device_train_batch_size
-    return choice == "on" or (choice == "auto" and device().type == "cuda" and _has_liger() and tokens >= TILE_FROM_TOKENS)
+    return _resolved(cfg, "tiled_mlp")
 
 
 def tile_mlp(model, on: bool = True) -> int:
