@@ -28,7 +28,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.preflight_grid import SHAPES  # noqa: E402
+from bench.preflight_grid import SHAPES, make_checkpoint  # noqa: E402
 from stages import export, memory, merge, smoke  # noqa: E402
 from stages.config import RunConfig  # noqa: E402
 
@@ -45,25 +45,8 @@ SHAPES = SHAPES | {
 
 
 def make_model(shape: str, root: Path) -> Path:
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    out = root / shape
-    if (out / "config.json").is_file():
-        return out
-    spec = dict(SHAPES[shape])
-    config = AutoConfig.for_model(spec.pop("model_type"), **{k: v for k, v in spec.items() if k != "architectures"})
-    config.architectures = spec["architectures"]
     # the tiny SentencePiece tokenizer's ids (the converter reads them from config.json)
-    config.bos_token_id, config.eos_token_id = 1, 2
-    torch.manual_seed(0)
-    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    model.save_pretrained(out, max_shard_size="5GB")
-    del model
-    gc.collect()
-    for f in ("tokenizer.model", "tokenizer_config.json"):
-        shutil.copy(REPO / "assets" / "tiny-llama" / f, out / f)
-    return out
+    return make_checkpoint(shape, root, SHAPES, bos_token_id=1, eos_token_id=2)
 
 
 def make_adapter(model_dir: Path, out: Path) -> Path:

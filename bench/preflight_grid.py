@@ -63,17 +63,20 @@ GRID = [
 ]
 
 
-def make_checkpoint(shape: str, root: Path) -> Path:
+def make_checkpoint(shape: str, root: Path, shapes: dict | None = None, **config_overrides) -> Path:
+    """A random-init bf16 checkpoint of `shape` (from `shapes`, default SHAPES) with the tiny default's tokenizer."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     out = root / shape
     if (out / "config.json").is_file():
         return out
-    spec = dict(SHAPES[shape])
+    spec = dict((shapes or SHAPES)[shape])
     config = AutoConfig.for_model(spec.pop("model_type"), **{k: v for k, v in spec.items() if k != "architectures"})
     config.architectures = spec["architectures"]
+    for k, v in config_overrides.items():
+        setattr(config, k, v)
     torch.manual_seed(0)
-    with torch.device("cuda"):
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.save_pretrained(out, max_shard_size="5GB")
     del model
