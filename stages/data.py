@@ -115,6 +115,11 @@ def held_out(cfg, limit: int) -> list[Sample]:
     return read_jsonl(cfg.data.eval_file or cfg.data.train_file)[:limit]
 
 
+def held_out_texts(cfg, tokenizer, limit: int) -> list[str]:
+    """The held-out samples as whole chat texts, through the tokenizer's chat template."""
+    return [tokenizer.apply_chat_template(list(s.messages), tokenize=False) for s in held_out(cfg, limit)]
+
+
 def fingerprint(paths: list[Path]) -> str:
     """sha256 over the dataset files' names and bytes: changes exactly when the data does."""
     h = hashlib.sha256()

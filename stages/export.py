@@ -89,7 +89,7 @@ def run(cfg: RunConfig, merged_dir: Path, out_dir: Path) -> ExportResult:
         lap(f"convert_{cfg.export.outtype}")
         rows = json.loads((merged_dir / "config.json").read_text()).get("vocab_size")
         checks = {"base": check_tokenizer(llamacpp.read_gguf(base), tokenizer, rows)}
-        checks["tokenization"] = check_tokenization(base, tokenizer, _eval_texts(cfg, tokenizer))
+        checks["tokenization"] = check_tokenization(base, tokenizer, data.held_out_texts(cfg, tokenizer, 20))
         lap("tokenizer_checks")
         files = []
         for quant in cfg.export.quant_types:
@@ -133,8 +133,7 @@ def convert(meter: memory.track, converter: Path, merged_dir: Path, dst: Path, o
 
 def check_fidelity(cfg: RunConfig, tokenizer, merged_dir: Path, ggufs: list[tuple[str, Path]]) -> list[fidelity.Fidelity]:
     """Every GGUF against the merged model on held-out texts; FidelityError on a breach."""
-    texts = _eval_texts(cfg, tokenizer, cfg.export.fidelity.samples)
-    sequences = [tokenizer(t, add_special_tokens=False)["input_ids"][: fidelity.MAX_TOKENS] for t in texts]
+    sequences = fidelity.held_out_ids(cfg, tokenizer, cfg.export.fidelity.samples)
     ref = fidelity.reference(merged_dir, sequences)
     results = [fidelity.measure(q, p, sequences, ref, cfg.export.fidelity) for q, p in ggufs]
     for r in results:
@@ -216,10 +215,6 @@ def check_tokenization(gguf_path: Path, tokenizer, texts: list[str]) -> dict:
     finally:
         vocab.close()
     return {"texts_compared": len(texts), "identical": True}
-
-
-def _eval_texts(cfg: RunConfig, tokenizer, n: int = 20) -> list[str]:
-    return [tokenizer.apply_chat_template(list(s.messages), tokenize=False) for s in data.held_out(cfg, n)]
 
 
 def _load(path: Path) -> ExportResult:

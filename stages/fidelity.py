@@ -16,11 +16,17 @@ from pathlib import Path
 
 import torch
 
+from stages import data
 from stages.config import FidelitySection
 
 # Full-vocabulary float32 log-probs are kept per position (152k vocab: 0.6 MB each), and
 # llama.cpp's logits_all holds n_ctx x vocab: each text is cut to this many tokens.
 MAX_TOKENS = 512
+
+
+def held_out_ids(cfg, tokenizer, n: int, max_tokens: int = MAX_TOKENS) -> list[list[int]]:
+    """Token ids of `n` held-out chat texts, as training tokenized them, each cut to `max_tokens`."""
+    return [tokenizer(t, add_special_tokens=False)["input_ids"][:max_tokens] for t in data.held_out_texts(cfg, tokenizer, n)]
 
 
 class FidelityError(RuntimeError):

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from peft import PeftModel
 
-from stages import data, fidelity, memory
+from stages import fidelity, memory
 from stages.config import RunConfig, load_config
 from stages.memory import MemoryReport
 from stages.modelio import load_base, load_tokenizer, resolve_model_dir
@@ -72,7 +72,8 @@ def run(cfg: RunConfig, adapter_dir: Path, out_dir: Path) -> MergeResult:
     base_dir = resolve_model_dir(cfg.model.name_or_path)
     save_dtype = _checkpoint_dtype(base_dir)
     tokenizer = load_tokenizer(cfg.model)
-    sequences = _eval_sequences(cfg, tokenizer)
+    # full-vocabulary log-probs are kept per position: held-out texts cut to the fidelity check's length
+    sequences = fidelity.held_out_ids(cfg, tokenizer, cfg.merge.samples, min(cfg.data.max_length, fidelity.MAX_TOKENS))
     kl: dict = {}
     with memory.track("merge", out_dir) as meter:
         qlora = cfg.quantization.load_in_4bit
@@ -159,13 +160,6 @@ def _checkpoint_dtype(model_dir: Path) -> torch.dtype:
     cfg = json.loads((model_dir / "config.json").read_text())
     name = cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16"
     return getattr(torch, name) if name in ("bfloat16", "float16", "float32") else torch.bfloat16
-
-
-def _eval_sequences(cfg: RunConfig, tokenizer) -> list[list[int]]:
-    """Token ids of held-out chat texts, as training tokenized them."""
-    texts = [tokenizer.apply_chat_template(list(s.messages), tokenize=False) for s in data.held_out(cfg, cfg.merge.samples)]
-    limit = min(cfg.data.max_length, fidelity.MAX_TOKENS)  # full-vocabulary log-probs per position are kept
-    return [tokenizer(t, add_special_tokens=False)["input_ids"][:limit] for t in texts]
 
 
 def main(argv: list[str] | None = None) -> None:
