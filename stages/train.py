@@ -539,20 +539,22 @@ def use_liger(model, *, loss: bool, kernels: bool) -> None:
     apply(model=model, fused_linear_cross_entropy=loss, cross_entropy=False, rope=kernels, rms_norm=kernels, swiglu=kernels)
 
 
-def checkpoint_only(model, n: int) -> None:
-    """Checkpoint the first `n` decoder layers, keep the activations of the others (faster)."""
+def _decoder_layers(model) -> list:
+    """The repeated blocks transformers can checkpoint, in order."""
     from transformers.modeling_layers import GradientCheckpointingLayer
 
-    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
-    for i, layer in enumerate(layers):
+    return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+
+
+def checkpoint_only(model, n: int) -> None:
+    """Checkpoint the first `n` decoder layers, keep the activations of the others (faster)."""
+    for i, layer in enumerate(_decoder_layers(model)):
         layer.gradient_checkpointing = i < n
 
 
 def checkpointed_layers(model) -> tuple[int, int]:
     """(checkpointed, total) decoder layers."""
-    from transformers.modeling_layers import GradientCheckpointingLayer
-
-    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    layers = _decoder_layers(model)
     return sum(bool(m.gradient_checkpointing) for m in layers), len(layers)
 
 
