@@ -30,7 +30,7 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
     def __init__(self, model: torch.nn.Module) -> None:
         self.stream = torch.cuda.Stream()
         self.param_ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
-        self.host: list = []      # index -> (cpu tensor, device, copy-done event) or None when freed
+        self.host: list = []      # index -> (cpu tensor, device, copy-done event), until reset()
         self.fetched: dict = {}   # index -> (gpu tensor, event), prefetched in backward
         self.offloaded_bytes = 0
         super().__init__(self._pack, self._unpack)
@@ -77,7 +77,7 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         torch.cuda.current_stream().wait_event(ready)
         # backward walks the layers in reverse: start bringing the previous one back now
         j = i - 1
-        if j >= 0 and j not in self.fetched and self.host[j] is not None:
+        if j >= 0 and j not in self.fetched:
             self.fetched[j] = self._fetch(j)
         return gpu
 
