@@ -109,18 +109,21 @@ def main() -> None:
     report["setup_s"] = round(time.perf_counter() - t0, 1)
     cfg = config(model_dir, a.work)
     shutil.rmtree(a.work / "run", ignore_errors=True)
+    # the build runs on the same CPUs: wait for it so that it does not slow the export side down
+    report["waited_for_llama_cpp_s"] = wait_for(a.wait_for)
+    export_cfg = cfg
     export_side = time.perf_counter()
     steps = [
         ("merge", lambda: merge.run(cfg, adapter, a.work / "run" / "merge")),
-        ("export", lambda: export.run(cfg, a.work / "run" / "merge" / "model", a.work / "run" / "export")),
+        ("export", lambda: export.run(export_cfg, a.work / "run" / "merge" / "model", a.work / "run" / "export")),
         ("smoke", lambda: smoke.run(cfg, [(f.quant, f.path) for f in report["_export"].files], a.work / "run" / "smoke")),
     ]
     for name, fn in steps:
         if name == "export":
-            report["waited_for_llama_cpp_s"] = wait_for(a.wait_for)
-            if a.free_disk:
+            if a.free_disk:  # the merged model carries the same tokenizer files, which export compares the GGUFs with
                 for f in model_dir.glob("*.safetensors"):
                     f.unlink()
+                export_cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"name_or_path": str(a.work / "run" / "merge" / "model")})})
             import llama_cpp
 
             report |= {"llama_cpp_python": llama_cpp.__version__, "gpu_offload": bool(llama_cpp.llama_supports_gpu_offload())}

@@ -12,13 +12,18 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:. PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TAE_CACHE_DIR=/tmp/tae-cache
 V=0.3.36
 CONV=$TAE_CACHE_DIR/llama-cpp-converter-$V
+# The converter first, in the foreground: a PYTHONPATH entry that does not exist yet when python
+# starts is cached as missing, and gguf would never import.
+rm -rf /tmp/x /tmp/bench-export "$CONV"  # a warm machine keeps /tmp: start from nothing but a finished build
+mkdir -p /tmp/x "$TAE_CACHE_DIR"
+top=llama_cpp_python-$V/vendor/llama.cpp
+tar -xzf .sdist/llama_cpp_python-$V.tar.gz -C /tmp/x "$top/convert_hf_to_gguf.py" "$top/conversion" "$top/gguf-py" \
+  && mv /tmp/x/$top "$CONV" && echo $V > "$CONV/VERSION" || exit 1
 (
   t0=$(date +%s)
-  mkdir -p /tmp/x "$TAE_CACHE_DIR"
-  top=llama_cpp_python-$V/vendor/llama.cpp
-  tar -xzf .sdist/llama_cpp_python-$V.tar.gz -C /tmp/x "$top/convert_hf_to_gguf.py" "$top/conversion" "$top/gguf-py" \
-    && mv /tmp/x/$top "$CONV" && echo $V > "$CONV/VERSION"
-  if CMAKE_ARGS="-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_CUDA_FA=OFF -DGGML_NATIVE=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAVA_BUILD=OFF" \
+  if [ -f /tmp/llama-built ] && python3 -c "import llama_cpp" 2>/dev/null; then
+    echo "llama-cpp-python: reusing this machine's build"
+  elif rm -f /tmp/llama-built /tmp/llama-built.failed && CMAKE_ARGS="-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_CUDA_FA=OFF -DGGML_NATIVE=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAVA_BUILD=OFF" \
      CMAKE_BUILD_PARALLEL_LEVEL=16 nice -n "${BUILD_NICE:-19}" python3 -m pip wheel -q --no-deps --no-build-isolation \
      .sdist/llama_cpp_python-$V.tar.gz -w /tmp/llw > "$OUT/build.log" 2>&1 \
      && python3 -m pip install -q --no-deps --no-index --target /tmp/site /tmp/llw/*.whl >> "$OUT/build.log" 2>&1; then
@@ -33,6 +38,12 @@ if [ "${SKIP_TRAIN:-0}" != 1 ]; then
   rm -rf /tmp/bench-models
 fi
 export PYTHONPATH=$PYTHONPATH:$CONV/gguf-py
-python3 bench/export_r7.py --out "$OUT/export_r7.json" --wait-for /tmp/llama-built --free-disk 2>&1 \
-  | grep -v "Warning\|Loading weights\|Writing\|INFO:" | tail -40
+python3 -c "import gguf" || exit 1
+# A run once died without a word after quantizing (in fidelity's first GPU load):
+# keep llama.cpp's log and Python's crash report, and say how the process ended.
+TAE_LLAMA_VERBOSE=1 python3 -X faulthandler bench/export_r7.py --out "$OUT/export_r7.json" --wait-for /tmp/llama-built --free-disk \
+  > "$OUT/export_r7.log" 2>&1
+echo "export_r7.py exit status: $? (137: SIGKILL, e.g. the OOM killer; 139: SIGSEGV; 134: abort)"
+grep -v "Warning\|Loading weights\|Writing\|INFO:\|llama_model_loader: - \|print_info\|load_tensors: layer" "$OUT/export_r7.log" | tail -60
+free -g | head -2; dmesg 2>/dev/null | grep -i "killed process\|out of memory" | tail -3
 echo "build seconds: $(cat /tmp/llama-built 2>/dev/null || echo failed)"; tail -5 "$OUT/build.log"; df -h /tmp | tail -1

@@ -199,7 +199,7 @@ def check_tokenization(gguf_path: Path, tokenizer, texts: list[str]) -> dict:
     """
     import llama_cpp
 
-    vocab = llama_cpp.Llama(model_path=str(gguf_path), vocab_only=True, verbose=False)
+    vocab = llama_cpp.Llama(model_path=str(gguf_path), vocab_only=True, verbose=llamacpp.VERBOSE)
     try:
         for text in texts:
             hf = tokenizer(text, add_special_tokens=False)["input_ids"]

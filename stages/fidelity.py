@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from stages import data
+from stages import data, llamacpp
 from stages.config import FidelitySection
 
 # Full-vocabulary float32 log-probs are kept per position (152k vocab: 0.6 MB each), and
@@ -93,7 +93,7 @@ def measure(quant: str, gguf: Path, sequences: list[list[int]], ref: list[torch.
     import llama_cpp
 
     n_ctx = max(len(s) for s in sequences)
-    llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=n_ctx, logits_all=True, verbose=False,
+    llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=n_ctx, logits_all=True, verbose=llamacpp.VERBOSE,
                           n_gpu_layers=-1 if llama_cpp.llama_supports_gpu_offload() else 0)
     q_logs = []
     try:

@@ -15,6 +15,9 @@ from pathlib import Path
 
 CACHE = Path(os.environ.get("TAE_CACHE_DIR", Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "train-and-export"))
 MAX_METADATA_STRING = 1 << 20  # a chat template or any string over 1 MiB in GGUF metadata is refused
+# llama-cpp-python silences fd 1 and 2 while it loads a model unless verbose: then a crash inside
+# llama.cpp (even Python's faulthandler report) leaves no trace. TAE_LLAMA_VERBOSE=1 keeps its log.
+VERBOSE = os.environ.get("TAE_LLAMA_VERBOSE") == "1"
 
 
 class UnsupportedArchitecture(ValueError):

@@ -142,7 +142,7 @@ def smoke_file(s: SmokeSection, quant: str, path: Path, prompts: list[data.Sampl
     before = memory.nvml_used_gib()
     t0 = time.perf_counter()
     try:
-        llm = llama_cpp.Llama(model_path=str(path), n_ctx=s.n_ctx, n_gpu_layers=plan.n_gpu_layers, seed=0, verbose=False)
+        llm = llama_cpp.Llama(model_path=str(path), n_ctx=s.n_ctx, n_gpu_layers=plan.n_gpu_layers, seed=0, verbose=llamacpp.VERBOSE)
     except (ValueError, RuntimeError) as e:
         raise SmokeError(f"{path.name} does not load under llama.cpp (llama-cpp-python {llama_cpp.__version__}): {e}; "
                          "nothing was handed off") from None

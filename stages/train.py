@@ -232,11 +232,13 @@ def run(cfg: RunConfig, out_dir: Path, *, inject_oom_at: int | None = None) -> T
         if not trainer.is_world_process_zero():  # DDP: rank 0 writes the adapter and the results
             return None
         model.save_pretrained(out_dir / "adapter", safe_serialization=True)
-        meter.extra["steps_this_process"] = trainer.state.global_step - (_step_of(resume) if resume else 0)
+        steps_here = trainer.state.global_step - (_step_of(resume) if resume else 0)
+        meter.extra["steps_this_process"] = steps_here
         meter.extra["oom_recoveries"] = recoveries
         meter.extra["fit"] = memory.jsonable(fit)
     losses = [e for e in trainer.state.log_history if "loss" in e]
-    tokens = collator.tokens * trainer.args.world_size  # each DDP rank collates its own share
+    # each DDP rank collates its own share of every optimizer step
+    tokens = collator.tokens(steps_here * trainer.args.gradient_accumulation_steps) * trainer.args.world_size
     result = TrainResult(
         adapter_dir=out_dir / "adapter",
         steps=trainer.state.global_step,
@@ -576,13 +578,18 @@ class Collator:
     def __init__(self, pad_id: int) -> None:
         self.pad_id = pad_id
         self.last: dict = {}
-        self.tokens = 0  # non-padding tokens collated, counted on the host (no GPU sync)
+        # non-padding tokens of each collated micro-batch, counted on the host (no GPU sync); the
+        # DataLoader collates one micro-batch ahead, so only the first `consumed` ones were trained on
+        self.batch_tokens: list[int] = []
+
+    def tokens(self, consumed: int) -> int:
+        return sum(self.batch_tokens[:consumed])
 
     def __call__(self, batch: list[dict]) -> dict:
         width = max(len(r["input_ids"]) for r in batch)
         pad = [width - len(r["input_ids"]) for r in batch]
         self.last = {"shape": [len(batch), width], "ids": [r.get("id") for r in batch]}
-        self.tokens += sum(len(r["input_ids"]) for r in batch)
+        self.batch_tokens.append(sum(len(r["input_ids"]) for r in batch))
         return {
             "input_ids": torch.tensor([r["input_ids"] + [self.pad_id] * n for r, n in zip(batch, pad, strict=True)]),
             "labels": torch.tensor([r["labels"] + [-100] * n for r, n in zip(batch, pad, strict=True)]),
@@ -630,6 +637,11 @@ def make_trainer(cfg: RunConfig, model, train_rows: list[dict], collator: Collat
         logging_first_step=True,
     )
     args = TrainingArguments(**(kwargs | overrides))
+    if args.n_gpu > 1:
+        # One process and several visible GPUs: the Trainer would wrap nn.DataParallel, which copies the
+        # model to every GPU each step and puts Liger's loss terms on two devices. One process trains on
+        # its own GPU; several GPUs are `launcher: accelerate` (DDP).
+        args._n_gpu = 1
 
     class OffloadingTrainer(Trainer):
         """The forward runs with saved activations offloaded to pinned CPU memory."""
@@ -753,6 +765,8 @@ def main(argv: list[str] | None = None) -> None:
         die_with_parent()
         if os.getppid() == 1:
             raise SystemExit("train: the launcher is already gone")
+        if torch.cuda.is_available():  # streams, peak counters and the CUDA context of rank k belong on GPU k, not cuda:0
+            torch.cuda.set_device(device())
     cfg = load_config(a.config, a.set)
     from stages.paths import RunPaths
 
