@@ -193,3 +193,32 @@ def test_new_data_starts_exactly_one_run_and_no_change_none(server):
     # the same new data again (a second event): the run it caused is the only one
     notify()
     assert pipeline_runs() == before + 1
+
+
+def test_cancelling_a_run_stops_its_training_processes(server):
+    """`prefect flow-run cancel` on a run training under `launcher: accelerate` (2 ranks):
+    the run ends Cancelled and no training process is left to hold the GPUs."""
+    import psutil
+
+    def training_processes():
+        procs = []
+        for p in psutil.Process(server.serve.pid).children(recursive=True):
+            try:
+                if "stages.train" in " ".join(p.cmdline()) and p.status() != psutil.STATUS_ZOMBIE:
+                    procs.append(p)
+            except psutil.NoSuchProcess:
+                pass
+        return procs
+
+    run = server.cli_run("train-and-export/default", config=str(server.config),
+                         overrides=["training.launcher=accelerate", "training.num_processes=2", "training.max_steps=100000"])
+    procs = _wait(lambda: (lambda ps: ps if len(ps) >= 3 else None)(training_processes()), 240, "the launcher and its 2 ranks")
+    subprocess.run([sys.executable, "-m", "prefect", "flow-run", "cancel", run], env=server.env, check=True, capture_output=True)
+    # Prefect 3.9's engine first records the SIGTERM as Crashed; its runner then marks the run Cancelled
+    def settled():
+        with server.client() as c:
+            state = c.read_flow_run(run).state
+        return state if state.is_cancelled() else None
+
+    _wait(settled, 120, "the run to be Cancelled")
+    _wait(lambda: not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in procs), 60, "the training processes to exit")
