@@ -14,7 +14,7 @@ V=0.3.36
 CONV=$TAE_CACHE_DIR/llama-cpp-converter-$V
 # The converter first, in the foreground: a PYTHONPATH entry that does not exist yet when python
 # starts is cached as missing, and gguf would never import.
-rm -rf /tmp/x /tmp/bench-export "$CONV"  # a warm machine keeps /tmp: start from nothing but a finished build
+rm -rf /tmp/x /tmp/bench-export /tmp/bench-export-tiny "$CONV"  # a warm machine keeps /tmp: start from nothing but a finished build
 mkdir -p /tmp/x "$TAE_CACHE_DIR"
 top=llama_cpp_python-$V/vendor/llama.cpp
 tar -xzf .sdist/llama_cpp_python-$V.tar.gz -C /tmp/x "$top/convert_hf_to_gguf.py" "$top/conversion" "$top/gguf-py" \
@@ -39,6 +39,10 @@ if [ "${SKIP_TRAIN:-0}" != 1 ]; then
 fi
 export PYTHONPATH=$PYTHONPATH:$CONV/gguf-py
 python3 -c "import gguf" || exit 1
+# The tiny model first (seconds): does this CUDA build of llama.cpp load and evaluate at all?
+TAE_LLAMA_VERBOSE=1 python3 -X faulthandler bench/export_r7.py --shape tiny-llama --out "$OUT/export_tiny.json" \
+  --work /tmp/bench-export-tiny --wait-for /tmp/llama-built > "$OUT/export_tiny.log" 2>&1
+echo "tiny export exit status: $?"; grep "export: \|smoke: \|Error\|Fatal\|error" "$OUT/export_tiny.log" | tail -12
 # A run once died without a word after quantizing (in fidelity's first GPU load):
 # keep llama.cpp's log and Python's crash report, and say how the process ended.
 TAE_LLAMA_VERBOSE=1 python3 -X faulthandler bench/export_r7.py --out "$OUT/export_r7.json" --wait-for /tmp/llama-built --free-disk \

@@ -82,6 +82,7 @@ def run(cfg: RunConfig, merged_dir: Path, out_dir: Path) -> ExportResult:
         now = time.perf_counter()
         seconds[name] = round(now - clock, 2)
         clock = now
+        print(f"export: {name} took {seconds[name]:.1f} s", flush=True)  # in the log even if a later step dies
 
     with memory.track("export", out_dir) as meter:
         base = out_dir / f"model-{cfg.export.outtype}.gguf"
