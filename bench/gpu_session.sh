@@ -3,6 +3,7 @@
 #   device run (carry .whl and .sdist): bash bench/gpu_session.sh      (SKIP_TRAIN=1: export only)
 # .whl/  bitsandbytes, liger-kernel, pydantic (+core, deps), sentencepiece, protobuf, diskcache wheels (cp312)
 # .sdist/ llama-cpp-python 0.3.36 trimmed by bench/trim_llama_sdist.py (4.4 MB)
+# .llama-whl/ (optional) a CUDA wheel an earlier run of this script built: skips the ~220 s build
 # The CUDA build of llama-cpp-python is CPU-bound and takes minutes: it runs niced in the
 # background while the GPU measures training; the export waits for it. GGML_CUDA_FA=OFF
 # skips llama.cpp's flash-attention kernel instances (most of the build time).
@@ -23,11 +24,15 @@ tar -xzf .sdist/llama_cpp_python-$V.tar.gz -C /tmp/x "$top/convert_hf_to_gguf.py
   t0=$(date +%s)
   if [ -f /tmp/llama-built ] && python3 -c "import llama_cpp" 2>/dev/null; then
     echo "llama-cpp-python: reusing this machine's build"
+  elif ls .llama-whl/llama_cpp_python-$V-*.whl >/dev/null 2>&1 \
+       && python3 -m pip install -q --no-deps --no-index --target /tmp/site .llama-whl/llama_cpp_python-$V-*.whl; then
+    echo "llama-cpp-python: the carried CUDA wheel (.llama-whl/)"; echo 0 > /tmp/llama-built
   elif rm -f /tmp/llama-built /tmp/llama-built.failed && CMAKE_ARGS="-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_CUDA_FA=OFF -DGGML_NATIVE=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAVA_BUILD=OFF" \
      CMAKE_BUILD_PARALLEL_LEVEL=16 nice -n "${BUILD_NICE:-19}" python3 -m pip wheel -q --no-deps --no-build-isolation \
      .sdist/llama_cpp_python-$V.tar.gz -w /tmp/llw > "$OUT/build.log" 2>&1 \
      && python3 -m pip install -q --no-deps --no-index --target /tmp/site /tmp/llw/*.whl >> "$OUT/build.log" 2>&1; then
     echo "$(( $(date +%s) - t0 ))" > /tmp/llama-built
+    cp /tmp/llw/llama_cpp_python-*.whl "$OUT/" 2>/dev/null  # comes back to be carried as .llama-whl/ next time
   else
     touch /tmp/llama-built.failed
   fi
