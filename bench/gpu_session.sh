@@ -50,7 +50,7 @@ TAE_LLAMA_VERBOSE=1 python3 -X faulthandler bench/export_r7.py --shape tiny-llam
 echo "tiny export exit status: $?"; grep "export: \|smoke: \|Error\|Fatal\|error" "$OUT/export_tiny.log" | tail -12
 # A run once died without a word after quantizing (in fidelity's first GPU load):
 # keep llama.cpp's log and Python's crash report, and say how the process ended.
-TAE_LLAMA_VERBOSE=1 python3 -X faulthandler bench/export_r7.py --out "$OUT/export_r7.json" --wait-for /tmp/llama-built --free-disk \
+TAE_LLAMA_VERBOSE=1 python3 -X faulthandler bench/export_r7.py --out "$OUT/export_r7.json" --wait-for /tmp/llama-built --free-disk --concurrent-quant \
   > "$OUT/export_r7.log" 2>&1
 echo "export_r7.py exit status: $? (137: SIGKILL, e.g. the OOM killer; 139: SIGSEGV; 134: abort)"
 grep -v "Warning\|Loading weights\|Writing\|INFO:\|llama_model_loader: - \|print_info\|load_tensors: layer" "$OUT/export_r7.log" | tail -60
