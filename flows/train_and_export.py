@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import faulthandler
 import json
 import os
 import sys
@@ -28,6 +29,11 @@ from stages import data, export, fidelity, handoff, llamacpp, memory, merge, pre
 from stages.config import ConfigError, load_config
 from stages.memory import MemoryReport
 from stages.paths import RunPaths
+
+# A native crash (llama.cpp, a CUDA library) kills the flow process without a Python traceback:
+# this at least prints the Python stack it died in to the run's output.
+with contextlib.suppress(AttributeError, ValueError, OSError):  # no real stderr (some embedders): go without
+    faulthandler.enable(file=sys.__stderr__)
 
 # Problems in the user's inputs: one message, no traceback.
 USER_ERRORS = (ConfigError, data.DataError, preflight.PreflightError, smoke.SmokeError, FileNotFoundError, llamacpp.ConverterMismatch,
