@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # One H200 call for the export bench (issue 5) and the last training rows (issue 4):
 #   device run (carry .whl and .sdist): bash bench/gpu_session.sh      (SKIP_TRAIN=1: export only)
+#   CONCURRENT_QUANT=1: afterwards, time both quantizations at once (~1-2 more minutes: with a fresh
+#   build the call may then run past its 10 minutes; with a carried .llama-whl/ it fits)
 # .whl/  bitsandbytes, liger-kernel, pydantic (+core, deps), sentencepiece, protobuf, diskcache wheels (cp312)
 # .sdist/ llama-cpp-python 0.3.36 trimmed by bench/trim_llama_sdist.py (4.4 MB)
 # .llama-whl/ (optional) a CUDA wheel an earlier run of this script built: skips the ~220 s build
@@ -50,7 +52,8 @@ TAE_LLAMA_VERBOSE=1 python3 -X faulthandler bench/export_r7.py --shape tiny-llam
 echo "tiny export exit status: $?"; grep "export: \|smoke: \|Error\|Fatal\|error" "$OUT/export_tiny.log" | tail -12
 # A run once died without a word after quantizing (in fidelity's first GPU load):
 # keep llama.cpp's log and Python's crash report, and say how the process ended.
-TAE_LLAMA_VERBOSE=1 python3 -X faulthandler bench/export_r7.py --out "$OUT/export_r7.json" --wait-for /tmp/llama-built --free-disk --concurrent-quant \
+TAE_LLAMA_VERBOSE=1 python3 -X faulthandler bench/export_r7.py --out "$OUT/export_r7.json" --wait-for /tmp/llama-built --free-disk \
+  ${CONCURRENT_QUANT:+--concurrent-quant} \
   > "$OUT/export_r7.log" 2>&1
 echo "export_r7.py exit status: $? (137: SIGKILL, e.g. the OOM killer; 139: SIGSEGV; 134: abort)"
 grep -v "Warning\|Loading weights\|Writing\|INFO:\|llama_model_loader: - \|print_info\|load_tensors: layer" "$OUT/export_r7.log" | tail -60
