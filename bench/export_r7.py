@@ -104,17 +104,28 @@ def concurrent_quant(cfg: RunConfig, run: Path) -> dict:
     shutil.rmtree(run / "merge" / "model", ignore_errors=True)  # disk: the merged model is no longer needed
     base = run / "export" / f"model-{cfg.export.outtype}.gguf"
     n = max(1, (os.cpu_count() or 2) // len(cfg.export.quant_types))
-    jobs = [threading.Thread(target=llamacpp.quantize, args=(base, run / f"concurrent-{q}.gguf", QUANT_FTYPES[q], n))
-            for q in cfg.export.quant_types]
+    errors: dict[str, str] = {}
+
+    def quantize(q: str) -> None:
+        try:
+            llamacpp.quantize(base, run / f"concurrent-{q}.gguf", QUANT_FTYPES[q], n)
+        except Exception as e:  # a failed quantization must not read as a fast one
+            errors[q] = f"{type(e).__name__}: {e}"
+
+    jobs = [threading.Thread(target=quantize, args=(q,)) for q in cfg.export.quant_types]
     t = time.perf_counter()
     for j in jobs:
         j.start()
     for j in jobs:
         j.join()
     wall = round(time.perf_counter() - t, 1)
+    sizes = {q: (run / f"concurrent-{q}.gguf").stat().st_size if (run / f"concurrent-{q}.gguf").is_file() else None
+             for q in cfg.export.quant_types}
     for q in cfg.export.quant_types:
         (run / f"concurrent-{q}.gguf").unlink(missing_ok=True)
-    return {"threads_each": n, "wall_s": wall}
+    if errors or None in sizes.values():
+        return {"threads_each": n, "error": errors or "an output is missing", "sizes": sizes}
+    return {"threads_each": n, "wall_s": wall, "sizes": sizes}
 
 
 def main() -> None:

@@ -18,6 +18,7 @@ CONV=$TAE_CACHE_DIR/llama-cpp-converter-$V
 # The converter first, in the foreground: a PYTHONPATH entry that does not exist yet when python
 # starts is cached as missing, and gguf would never import.
 rm -rf /tmp/x /tmp/bench-export /tmp/bench-export-tiny "$CONV"  # a warm machine keeps /tmp: start from nothing but a finished build
+rm -f /tmp/llama-built.failed  # a failed build of an earlier call must not stop this one's wait
 mkdir -p /tmp/x "$TAE_CACHE_DIR"
 top=llama_cpp_python-$V/vendor/llama.cpp
 tar -xzf .sdist/llama_cpp_python-$V.tar.gz -C /tmp/x "$top/convert_hf_to_gguf.py" "$top/conversion" "$top/gguf-py" \
@@ -27,7 +28,7 @@ tar -xzf .sdist/llama_cpp_python-$V.tar.gz -C /tmp/x "$top/convert_hf_to_gguf.py
   if [ -f /tmp/llama-built ] && python3 -c "import llama_cpp" 2>/dev/null; then
     echo "llama-cpp-python: reusing this machine's build"
   elif ls .llama-whl/llama_cpp_python-$V-*.whl >/dev/null 2>&1 \
-       && python3 -m pip install -q --no-deps --no-index --target /tmp/site .llama-whl/llama_cpp_python-$V-*.whl; then
+       && python3 -m pip install -q --no-deps --no-index --upgrade --target /tmp/site .llama-whl/llama_cpp_python-$V-*.whl; then
     echo "llama-cpp-python: the carried CUDA wheel (.llama-whl/)"; echo 0 > /tmp/llama-built
   elif rm -f /tmp/llama-built /tmp/llama-built.failed && CMAKE_ARGS="-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_CUDA_FA=OFF -DGGML_NATIVE=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAVA_BUILD=OFF" \
      CMAKE_BUILD_PARALLEL_LEVEL=16 nice -n "${BUILD_NICE:-19}" python3 -m pip wheel -q --no-deps --no-build-isolation \
@@ -53,9 +54,10 @@ echo "tiny export exit status: $?"; grep "export: \|smoke: \|Error\|Fatal\|error
 # A run once died without a word after quantizing (in fidelity's first GPU load):
 # keep llama.cpp's log and Python's crash report, and say how the process ended.
 TAE_LLAMA_VERBOSE=1 python3 -X faulthandler bench/export_r7.py --out "$OUT/export_r7.json" --wait-for /tmp/llama-built --free-disk \
-  ${CONCURRENT_QUANT:+--concurrent-quant} \
+  $([ "${CONCURRENT_QUANT:-0}" = 1 ] && echo --concurrent-quant) \
   > "$OUT/export_r7.log" 2>&1
 echo "export_r7.py exit status: $? (137: SIGKILL, e.g. the OOM killer; 139: SIGSEGV; 134: abort)"
 grep -v "Warning\|Loading weights\|Writing\|INFO:\|llama_model_loader: - \|print_info\|load_tensors: layer" "$OUT/export_r7.log" | tail -60
 free -g | head -2; dmesg 2>/dev/null | grep -i "killed process\|out of memory" | tail -3
+wait  # the background build, if the export stopped before it ended
 echo "build seconds: $(cat /tmp/llama-built 2>/dev/null || echo failed)"; tail -5 "$OUT/build.log"; df -h /tmp | tail -1

@@ -32,8 +32,9 @@ from stages.paths import RunPaths
 
 # A native crash (llama.cpp, a CUDA library) kills the flow process without a Python traceback:
 # this at least prints the Python stack it died in to the run's output.
-with contextlib.suppress(AttributeError, ValueError, OSError):  # no real stderr (some embedders): go without
-    faulthandler.enable(file=sys.__stderr__)
+if not faulthandler.is_enabled():  # pytest, PYTHONFAULTHANDLER or the user may have set it up already
+    with contextlib.suppress(AttributeError, ValueError, OSError, RuntimeError):  # no usable stderr: go without
+        faulthandler.enable(file=sys.__stderr__)
 
 # Problems in the user's inputs: one message, no traceback.
 USER_ERRORS = (ConfigError, data.DataError, preflight.PreflightError, smoke.SmokeError, FileNotFoundError, llamacpp.ConverterMismatch,

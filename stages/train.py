@@ -20,6 +20,7 @@ loss curve to <out>/loss.jsonl and <out>/loss.png.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import time
@@ -76,6 +77,12 @@ def run_launched(cfg: RunConfig, out_dir: Path) -> TrainResult:
     resolved = out_dir / "launch_config.yaml"
     resolved.write_text(cfg.to_yaml())
     n = cfg.training.num_processes
+    if torch.cuda.is_available() and n > torch.cuda.device_count():
+        from stages.config import ConfigError
+
+        raise ConfigError(f"training.num_processes: {n}, but this machine shows {torch.cuda.device_count()} GPU(s) "
+                          f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); one process per GPU: "
+                          f"set it to at most {torch.cuda.device_count()}")
     if torch.cuda.is_available():
         launcher = ["accelerate.commands.launch", "--num_processes", str(n), "--num_machines", "1", "--mixed_precision", "no",
                     "--dynamo_backend", "no", *(["--multi_gpu"] if n > 1 else [])]
@@ -237,8 +244,7 @@ def run(cfg: RunConfig, out_dir: Path, *, inject_oom_at: int | None = None) -> T
         meter.extra["oom_recoveries"] = recoveries
         meter.extra["fit"] = memory.jsonable(fit)
     losses = [e for e in trainer.state.log_history if "loss" in e]
-    # each DDP rank collates its own share of every optimizer step
-    tokens = collator.tokens(steps_here * trainer.args.gradient_accumulation_steps) * trainer.args.world_size
+    tokens = collator.tokens(trainer.micro_batches) * trainer.args.world_size  # each DDP rank trains its own share
     result = TrainResult(
         adapter_dir=out_dir / "adapter",
         steps=trainer.state.global_step,
@@ -311,7 +317,7 @@ def postmortem(err: BaseException, cfg: RunConfig, trainer, model, collator: Col
         "path": str(path),
         "error": str(err).split("\n")[0][:500],
         "step": trainer.state.global_step + 1,
-        "batch": collator.last,
+        "batch": collator.batch(getattr(trainer, "micro_batches", 0) - 1),  # the one training when memory ran out
         "per_device_train_batch_size": cfg.training.per_device_train_batch_size,
         "gradient_accumulation_steps": cfg.training.gradient_accumulation_steps,
         "memory_gib": stats,
@@ -573,22 +579,32 @@ def rows(tok: data.Tokenized) -> list[dict]:
 
 class Collator:
     """Dynamic padding to the longest row (the batch holding the longest sample is the worst
-    step); remembers the last batch's shape and sample ids for an OOM post-mortem."""
+    step); remembers recent batches' shapes and sample ids for an OOM post-mortem.
+
+    The Trainer collates ahead of training (a whole optimizer step's micro-batches, plus one
+    that accelerate prefetches), so the i-th micro-batch trained on is the i-th collated one,
+    but the latest collated one is not the one running.
+    """
+
+    RECENT = 64  # more than one optimizer step's micro-batches plus the prefetched one
 
     def __init__(self, pad_id: int) -> None:
         self.pad_id = pad_id
-        self.last: dict = {}
-        # non-padding tokens of each collated micro-batch, counted on the host (no GPU sync); the
-        # DataLoader collates one micro-batch ahead, so only the first `consumed` ones were trained on
-        self.batch_tokens: list[int] = []
+        self.batch_tokens: list[int] = []  # non-padding tokens per micro-batch, counted on the host (no GPU sync)
+        self.recent: collections.deque = collections.deque(maxlen=self.RECENT)  # (index, shape and ids)
 
     def tokens(self, consumed: int) -> int:
+        """Tokens in the first `consumed` micro-batches."""
         return sum(self.batch_tokens[:consumed])
+
+    def batch(self, index: int) -> dict:
+        """Shape and sample ids of the `index`-th micro-batch (0-based), or the latest one known."""
+        return next((b for i, b in self.recent if i == index), self.recent[-1][1] if self.recent else {})
 
     def __call__(self, batch: list[dict]) -> dict:
         width = max(len(r["input_ids"]) for r in batch)
         pad = [width - len(r["input_ids"]) for r in batch]
-        self.last = {"shape": [len(batch), width], "ids": [r.get("id") for r in batch]}
+        self.recent.append((len(self.batch_tokens), {"shape": [len(batch), width], "ids": [r.get("id") for r in batch]}))
         self.batch_tokens.append(sum(len(r["input_ids"]) for r in batch))
         return {
             "input_ids": torch.tensor([r["input_ids"] + [self.pad_id] * n for r, n in zip(batch, pad, strict=True)]),
@@ -647,6 +663,11 @@ def make_trainer(cfg: RunConfig, model, train_rows: list[dict], collator: Collat
         """The forward runs with saved activations offloaded to pinned CPU memory."""
 
         offload = OffloadActivations(model) if offload_activations(cfg) else None
+        micro_batches = 0  # trained on in this process (an epoch's last step can have fewer than the accumulation)
+
+        def training_step(self, *args, **kwargs):
+            self.micro_batches += 1
+            return super().training_step(*args, **kwargs)
 
         def compute_loss_context_manager(self):
             stack = super().compute_loss_context_manager()

@@ -57,11 +57,13 @@ def test_preflight_refuses_a_run_that_does_not_fit(tmp_path, capsys, prefect_har
 def test_a_native_crash_in_the_flow_process_names_the_python_line():
     """llama.cpp or a CUDA library dying with SIGSEGV leaves no traceback; the flow module's
     faulthandler prints the Python stack it died in."""
+    import os
     import subprocess
     import sys
 
     from tests.conftest import REPO
 
     code = "import ctypes, flows.train_and_export\ndef load_gguf():\n    ctypes.string_at(0)\nload_gguf()\n"
-    p = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONFAULTHANDLER"}  # the module's own, not the environment's
+    p = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert p.returncode == -11 and "Segmentation fault" in p.stderr and "load_gguf" in p.stderr, p.stderr[-2000:]

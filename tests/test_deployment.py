@@ -221,4 +221,10 @@ def test_cancelling_a_run_stops_its_training_processes(server):
         return state if state.is_cancelled() else None
 
     _wait(settled, 120, "the run to be Cancelled")
-    _wait(lambda: not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in procs), 60, "the training processes to exit")
+    def alive(p) -> bool:
+        try:
+            return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:  # reaped between the two calls
+            return False
+
+    _wait(lambda: not any(alive(p) for p in procs), 60, "the training processes to exit")

@@ -131,16 +131,21 @@ def test_fit_choice_is_recorded(tmp_path):
 
 
 def test_tokens_per_second_counts_only_the_micro_batches_trained_on(tmp_path):
-    """The DataLoader collates one micro-batch ahead; train_tokens must not include it (it inflated
-    tokens/s by 1/(steps x accumulation): 5% on a 10-step, 2-GPU run)."""
+    """The Trainer collates ahead (a step's micro-batches plus one prefetched), and an epoch's last
+    step has fewer micro-batches than the accumulation: train_tokens counts what was trained on.
+    10 rows, micro-batch 2, accumulation 2: epoch 1 = 5 micro-batches in 3 steps, step 4 = 2 more."""
     from stages import data
     from stages.modelio import load_tokenizer
 
-    cfg = load_config(write_config(tmp_path, training=SHORT | {"max_steps": 3, "per_device_train_batch_size": 2,
-                                                               "gradient_accumulation_steps": 2, "train_sampling_strategy": "sequential"}))
+    rows = tmp_path / "ten.jsonl"
+    rows.write_text("".join((REPO / "assets/data/translate_train.jsonl").read_text().splitlines(keepends=True)[:10]))
+    cfg = load_config(write_config(tmp_path, data={"train_file": str(rows)},
+                                   training=SHORT | {"max_steps": 4, "per_device_train_batch_size": 2,
+                                                     "gradient_accumulation_steps": 2, "train_sampling_strategy": "sequential"}))
     r = train.run(cfg, tmp_path / "train")
-    tok = data.tokenize(data.read_jsonl(cfg.data.train_file), load_tokenizer(cfg.model), cfg.data.max_length, cfg.data.long_sample_policy)
-    assert r.train_tokens == sum(len(ids) for ids in tok.input_ids[: 3 * 2 * 2])
+    ids = data.tokenize(data.read_jsonl(rows), load_tokenizer(cfg.model), cfg.data.max_length, cfg.data.long_sample_policy).input_ids
+    assert len(ids) == 10 and r.steps == 4
+    assert r.train_tokens == sum(map(len, ids)) + sum(map(len, ids[:4]))
 
 
 def test_training_runs_data_parallel_in_a_launched_subprocess(tmp_path):
