@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from stages import data, llamacpp
+from stages import data, llamacpp, memory
 from stages.config import FidelitySection
 
 # Full-vocabulary float32 log-probs are kept per position (152k vocab: 0.6 MB each), and
@@ -69,11 +69,7 @@ def reference(merged_dir: Path, sequences: list[list[int]]) -> list[torch.Tensor
         return log_probs(model, sequences)
     finally:
         del model
-        import gc
-
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()  # llama.cpp loads the GGUFs onto this GPU next
+        memory.free_gpu()  # llama.cpp loads the GGUFs onto this GPU next
 
 
 def compare(p_logs: list[torch.Tensor], q_logs: list[torch.Tensor]) -> tuple[torch.Tensor, float]:

@@ -91,6 +91,23 @@ def _cuda():
     return torch if torch.cuda.is_available() else None
 
 
+def free_gpu() -> None:
+    """Return what dropped references held: Python garbage, the CUDA cache, and the pinned host
+    blocks torch keeps cached (rounded up to powers of two) after the activation offload; the
+    next stage in this process, or llama.cpp loading onto the same GPU, gets them."""
+    import gc
+
+    gc.collect()
+    torch = _cuda()
+    if torch is None:
+        return
+    torch.cuda.empty_cache()
+    for name in ("_accelerator_emptyHostCache", "_host_emptyCache"):
+        if hasattr(torch._C, name):
+            getattr(torch._C, name)()
+            break
+
+
 def nvml_used_gib(index: int = 0) -> tuple[float, float] | None:
     """(used, total) GiB of the whole device from NVML, or None without a GPU/driver."""
     try:

@@ -82,7 +82,7 @@ def run(cfg: RunConfig, adapter_dir: Path, out_dir: Path) -> MergeResult:
             trained = PeftModel.from_pretrained(load_base(cfg.model, cfg.quantization), adapter_dir)
             reference = fidelity.log_probs(trained, sequences)
             del trained
-            _free()
+            memory.free_gpu()
         for choice in choices:
             merged, diff = _merge(cfg, adapter_dir, choice, sequences)
             if qlora:
@@ -91,11 +91,11 @@ def run(cfg: RunConfig, adapter_dir: Path, out_dir: Path) -> MergeResult:
                 print(f"merge: into the {choice} base: mean KL {kl[choice]['mean_kl']:.3g} to the adapter on NF4, top-1 {top1:.1%}")
             if choice != choices[-1]:
                 del merged  # one 16-bit model in memory at a time (two would double the peak: 32 GiB on a 7B)
-                _free()
+                memory.free_gpu()
         best = min(kl, key=lambda k: kl[k]["mean_kl"]) if kl else choices[-1]
         if best != choice:  # the earlier candidate won: drop the later one, build the winner again
             del merged
-            _free()
+            memory.free_gpu()
             merged, diff = _merge(cfg, adapter_dir, best, sequences)
         choice = best
         merged.to(save_dtype).save_pretrained(merged_dir, safe_serialization=True)
@@ -126,21 +126,12 @@ def _merge(cfg: RunConfig, adapter_dir: Path, choice: str, sequences: list[list[
     # Rounding in a 16-bit merge moves a 7B's logits by up to 0.36 and its next-token
     # distribution by KL 0.002 (measured, a random r=64 adapter): judge the merge by KL,
     # which a wrong scale or a missed module inflates by orders of magnitude.
-    p, q = torch.log_softmax(before, -1), torch.log_softmax(after, -1)
-    kl = float((p.exp() * (p - q)).sum(-1).mean())
+    kl = float(fidelity.compare([torch.log_softmax(before[0], -1)], [after[0]])[0].mean())
     tol = KL_TOLERANCE.get(merged.dtype, 1e-3)
     if kl > tol:
         raise RuntimeError(f"merged model's next-token distribution differs from the adapter's by KL {kl:.3g} (> {tol}; "
                            f"max |logit diff| {diff:.3g}) on the {choice} base; the merge is broken")
     return merged, diff
-
-
-def _free() -> None:
-    import gc
-
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 def save_tokenizer(tokenizer, base_dir: Path, merged_dir: Path) -> None:

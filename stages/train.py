@@ -31,7 +31,7 @@ import torch
 from transformers import TrainerCallback
 
 from stages import autofit, data, memory
-from stages.config import RunConfig, load_config
+from stages.config import ConfigError, RunConfig, load_config
 from stages.memory import MemoryReport
 from stages.modelio import compute_dtype, device, load_base, load_tokenizer
 from stages.offload import OffloadActivations, embeddings_to_host
@@ -78,8 +78,6 @@ def run_launched(cfg: RunConfig, out_dir: Path) -> TrainResult:
     resolved.write_text(cfg.to_yaml())
     n = cfg.training.num_processes
     if torch.cuda.is_available() and n > torch.cuda.device_count():
-        from stages.config import ConfigError
-
         raise ConfigError(f"training.num_processes: {n}, but this machine shows {torch.cuda.device_count()} GPU(s) "
                           f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); one process per GPU: "
                           f"set it to at most {torch.cuda.device_count()}")
@@ -206,7 +204,7 @@ def run(cfg: RunConfig, out_dir: Path, *, inject_oom_at: int | None = None) -> T
             except torch.OutOfMemoryError as e:
                 report = postmortem(e, attempt_cfg, trainer, model, collator, out_dir / f"oom-postmortem-{len(recoveries) + 1}.json")
                 del trainer, model
-                _free_cuda()
+                memory.free_gpu()
                 b = attempt_cfg.training.per_device_train_batch_size
                 if attempt_cfg.training.fit == "speed":
                     # the measured fit was too tight: checkpoint every layer before touching the batch
@@ -235,12 +233,11 @@ def run(cfg: RunConfig, out_dir: Path, *, inject_oom_at: int | None = None) -> T
                 raise
         wall = time.perf_counter() - t0
         trainer.offload = None  # its pinned host copies
-        _free_cuda()
+        memory.free_gpu()
         if not trainer.is_world_process_zero():  # DDP: rank 0 writes the adapter and the results
             return None
         model.save_pretrained(out_dir / "adapter", safe_serialization=True)
-        steps_here = trainer.state.global_step - (_step_of(resume) if resume else 0)
-        meter.extra["steps_this_process"] = steps_here
+        meter.extra["steps_this_process"] = trainer.state.global_step - (_step_of(resume) if resume else 0)
         meter.extra["oom_recoveries"] = recoveries
         meter.extra["fit"] = memory.jsonable(fit)
     losses = [e for e in trainer.state.log_history if "loss" in e]
@@ -317,7 +314,7 @@ def postmortem(err: BaseException, cfg: RunConfig, trainer, model, collator: Col
         "path": str(path),
         "error": str(err).split("\n")[0][:500],
         "step": trainer.state.global_step + 1,
-        "batch": collator.batch(getattr(trainer, "micro_batches", 0) - 1),  # the one training when memory ran out
+        "batch": collator.batch(trainer.micro_batches - 1),  # the one training when memory ran out
         "per_device_train_batch_size": cfg.training.per_device_train_batch_size,
         "gradient_accumulation_steps": cfg.training.gradient_accumulation_steps,
         "memory_gib": stats,
@@ -338,20 +335,6 @@ def postmortem(err: BaseException, cfg: RunConfig, trainer, model, collator: Col
 def is_dataloader_shm_error(e: BaseException) -> bool:
     text = str(e).lower()
     return "dataloader worker" in text and ("shared memory" in text or "bus error" in text or "shm" in text)
-
-
-def _free_cuda() -> None:
-    import gc
-
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-        # pinned host blocks of the activation offload stay cached (rounded up to powers of two)
-        # until released: the stages after training run in this process
-        for name in ("_accelerator_emptyHostCache", "_host_emptyCache"):
-            if hasattr(torch._C, name):
-                getattr(torch._C, name)()
-                break
 
 
 class MemorySnapshot(TrainerCallback):
@@ -660,7 +643,8 @@ def make_trainer(cfg: RunConfig, model, train_rows: list[dict], collator: Collat
         args._n_gpu = 1
 
     class OffloadingTrainer(Trainer):
-        """The forward runs with saved activations offloaded to pinned CPU memory."""
+        """The forward runs with saved activations offloaded to pinned CPU memory (when on), and
+        the micro-batches trained on are counted (tokens/s, the OOM post-mortem's batch)."""
 
         offload = OffloadActivations(model) if offload_activations(cfg) else None
         micro_batches = 0  # trained on in this process (an epoch's last step can have fewer than the accumulation)
