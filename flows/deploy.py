@@ -30,8 +30,7 @@ from prefect.deployments import run_deployment
 from prefect.events import DeploymentEventTrigger, emit_event
 from prefect.events.worker import EventsWorker
 
-from flows.train_and_export import GPU_LIMIT, train_and_export
-from stages import data
+from flows.train_and_export import GPU_LIMIT, data_fingerprint, train_and_export
 from stages.config import RunConfig, load_config
 
 PIPELINE = "train-and-export/default"
@@ -42,10 +41,6 @@ def last_published_fingerprint(cfg: RunConfig) -> str | None:
     """The data fingerprint in the newest complete bundle's manifest (None before the first)."""
     manifest = Path(cfg.handoff.dir) / cfg.handoff.model_name / "latest" / "manifest.json"
     return json.loads(manifest.read_text()).get("data_fingerprint") if manifest.is_file() else None
-
-
-def data_fingerprint(cfg: RunConfig) -> str:
-    return data.fingerprint([cfg.data.train_file, cfg.data.eval_file])
 
 
 @flow(name="retrain-on-new-data", log_prints=True)

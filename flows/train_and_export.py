@@ -61,6 +61,11 @@ GPU_LIMIT = os.environ.get("TAE_GPU_LIMIT", "gpu")  # a Prefect global concurren
 TRANSIENT = (ConnectionError, TimeoutError, BrokenPipeError)
 
 
+def data_fingerprint(cfg) -> str:
+    """What the hand-off manifest records and retraining compares: the train and eval files' content."""
+    return data.fingerprint([cfg.data.train_file, cfg.data.eval_file])
+
+
 def retry_transient(task, task_run, state) -> bool:
     """Retry a stage only for errors that may pass: never a config, data, OOM or fidelity error,
     which would fail the same way again."""
@@ -113,7 +118,7 @@ def train_and_export(config: str = "configs/default.yaml", overrides: list[str] 
     llamacpp.converter_dir()  # the converter must match the llama.cpp runtime: checked before any work
     # A retried flow run keeps its id, hence its directory and its stages' cache keys.
     paths = RunPaths.for_run(cfg, run_id or (f"{flow_run.name}-{str(flow_run.id)[:8]}" if flow_run.id else None))
-    fingerprint = data.fingerprint([cfg.data.train_file, cfg.data.eval_file])
+    fingerprint = data_fingerprint(cfg)
     print(f"run {paths.run_id}: {paths.root}  data {fingerprint[:12]}")
 
     # 1. Will the worst micro-batch fit? Stops the run before any training if not.
