@@ -92,42 +92,6 @@ def wait_for(path: Path | None, limit: float = 480) -> float:
     return round(time.perf_counter() - t, 1)
 
 
-def concurrent_quant(cfg: RunConfig, run: Path) -> dict:
-    """Both quantizations at once (half the cores each) vs the export's one-after-the-other
-    timings: whether overlapping them is worth building into the export stage."""
-    import os
-    import threading
-
-    from stages import llamacpp
-    from stages.config import QUANT_FTYPES
-
-    shutil.rmtree(run / "merge" / "model", ignore_errors=True)  # disk: the merged model is no longer needed
-    base = run / "export" / f"model-{cfg.export.outtype}.gguf"
-    n = max(1, (os.cpu_count() or 2) // len(cfg.export.quant_types))
-    errors: dict[str, str] = {}
-
-    def quantize(q: str) -> None:
-        try:
-            llamacpp.quantize(base, run / f"concurrent-{q}.gguf", QUANT_FTYPES[q], n)
-        except Exception as e:  # a failed quantization must not read as a fast one
-            errors[q] = f"{type(e).__name__}: {e}"
-
-    jobs = [threading.Thread(target=quantize, args=(q,)) for q in cfg.export.quant_types]
-    t = time.perf_counter()
-    for j in jobs:
-        j.start()
-    for j in jobs:
-        j.join()
-    wall = round(time.perf_counter() - t, 1)
-    sizes = {q: (run / f"concurrent-{q}.gguf").stat().st_size if (run / f"concurrent-{q}.gguf").is_file() else None
-             for q in cfg.export.quant_types}
-    for q in cfg.export.quant_types:
-        (run / f"concurrent-{q}.gguf").unlink(missing_ok=True)
-    if errors or None in sizes.values():
-        return {"threads_each": n, "error": errors or "an output is missing", "sizes": sizes}
-    return {"threads_each": n, "wall_s": wall, "sizes": sizes}
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="r7-llama", choices=sorted(SHAPES))
@@ -135,7 +99,6 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=Path("/tmp/bench-export"))
     ap.add_argument("--wait-for", type=Path, help="before export, wait for this file (a llama.cpp build running meanwhile)")
     ap.add_argument("--free-disk", action="store_true", help="delete the base weights once merged (a 64 GB disk)")
-    ap.add_argument("--concurrent-quant", action="store_true", help="afterwards, time both quantizations run at once")
     a = ap.parse_args()
     report: dict = {"shape": a.shape, "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "stages": {}}
 
@@ -187,9 +150,6 @@ def main() -> None:
     report["export_side_s"] = round(time.perf_counter() - export_side, 1)
     report["goal_s"] = 180
     save()
-    if a.concurrent_quant and "smoke" in report["stages"]:
-        report["concurrent_quant"] = concurrent_quant(cfg, a.work / "run")
-        save()
     print(json.dumps({k: report.get(k) for k in ("export_side_s", "setup_s", "gpu_offload", "waited_for_llama_cpp_s")}))
 
 

@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # One H200 call for the export bench (issue 5) and the last training rows (issue 4):
 #   device run (carry .whl and .sdist): bash bench/gpu_session.sh      (SKIP_TRAIN=1: export only)
-#   CONCURRENT_QUANT=1: afterwards, time both quantizations at once (~1-2 more minutes: with a fresh
-#   build the call may then run past its 10 minutes; with a carried .llama-whl/ it fits)
 # .whl/  bitsandbytes, liger-kernel, pydantic (+core, deps), sentencepiece, protobuf, diskcache wheels (cp312)
 # .sdist/ llama-cpp-python 0.3.36 trimmed by bench/trim_llama_sdist.py (4.4 MB)
-# .llama-whl/ (optional) a CUDA wheel an earlier run of this script built: skips the ~220 s build
+# .llama-whl/ (optional) a CUDA llama-cpp-python wheel built elsewhere: skips the ~220 s build (one built here
+#   is over the 16 MiB a file may have to come back from the device)
+# .diag/tiny-f16.gguf (optional) a tiny GGUF (bench/export_r7.py --shape tiny-llama on CPU): bench/llama_gpu_diag.py
+#   loads it under the fresh build in several process states before the export starts
+# TINY=1: the whole export of the tiny model through the CUDA build first
 # The CUDA build of llama-cpp-python is CPU-bound and takes minutes: it runs niced in the
 # background while the GPU measures training; the export waits for it. GGML_CUDA_FA=OFF
 # skips llama.cpp's flash-attention kernel instances (most of the build time).
@@ -34,8 +36,10 @@ tar -xzf .sdist/llama_cpp_python-$V.tar.gz -C /tmp/x "$top/convert_hf_to_gguf.py
      CMAKE_BUILD_PARALLEL_LEVEL=16 nice -n "${BUILD_NICE:-19}" python3 -m pip wheel -q --no-deps --no-build-isolation \
      .sdist/llama_cpp_python-$V.tar.gz -w /tmp/llw > "$OUT/build.log" 2>&1 \
      && python3 -m pip install -q --no-deps --no-index --target /tmp/site /tmp/llw/*.whl >> "$OUT/build.log" 2>&1; then
-    echo "$(( $(date +%s) - t0 ))" > /tmp/llama-built
-    cp /tmp/llw/llama_cpp_python-*.whl "$OUT/" 2>/dev/null  # comes back to be carried as .llama-whl/ next time
+    t1=$(date +%s)
+    # Before the export starts (it waits for /tmp/llama-built): which process state crashes this build's model load?
+    [ -f .diag/tiny-f16.gguf ] && PYTHONPATH=/tmp/site python3 bench/llama_gpu_diag.py .diag/tiny-f16.gguf --out "$OUT/llama_gpu_diag.json"
+    echo "$(( t1 - t0 ))" > /tmp/llama-built
   else
     touch /tmp/llama-built.failed
   fi
@@ -47,14 +51,14 @@ if [ "${SKIP_TRAIN:-0}" != 1 ]; then
 fi
 export PYTHONPATH=$PYTHONPATH:$CONV/gguf-py
 python3 -c "import gguf" || exit 1
-# The tiny model first (seconds): does this CUDA build of llama.cpp load and evaluate at all?
-TAE_LLAMA_VERBOSE=1 python3 -X faulthandler bench/export_r7.py --shape tiny-llama --out "$OUT/export_tiny.json" \
-  --work /tmp/bench-export-tiny --wait-for /tmp/llama-built > "$OUT/export_tiny.log" 2>&1
-echo "tiny export exit status: $?"; grep "export: \|smoke: \|Error\|Fatal\|error" "$OUT/export_tiny.log" | tail -12
-# A run once died without a word after quantizing (in fidelity's first GPU load):
+if [ "${TINY:-0}" = 1 ]; then  # the tiny model first (seconds): does this CUDA build of llama.cpp load and evaluate at all?
+  TAE_LLAMA_VERBOSE=1 python3 -X faulthandler bench/export_r7.py --shape tiny-llama --out "$OUT/export_tiny.json" \
+    --work /tmp/bench-export-tiny --wait-for /tmp/llama-built > "$OUT/export_tiny.log" 2>&1
+  echo "tiny export exit status: $?"; grep "export: \|smoke: \|Error\|Fatal\|error" "$OUT/export_tiny.log" | tail -12
+fi
+# llama.cpp (CUDA) once died without a word in a process that had imported torch (bench/llama_gpu_diag.py):
 # keep llama.cpp's log and Python's crash report, and say how the process ended.
 TAE_LLAMA_VERBOSE=1 python3 -X faulthandler bench/export_r7.py --out "$OUT/export_r7.json" --wait-for /tmp/llama-built --free-disk \
-  $([ "${CONCURRENT_QUANT:-0}" = 1 ] && echo --concurrent-quant) \
   > "$OUT/export_r7.log" 2>&1
 echo "export_r7.py exit status: $? (137: SIGKILL, e.g. the OOM killer; 139: SIGSEGV; 134: abort)"
 grep -v "Warning\|Loading weights\|Writing\|INFO:\|llama_model_loader: - \|print_info\|load_tensors: layer" "$OUT/export_r7.log" | tail -60

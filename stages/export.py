@@ -25,6 +25,7 @@ from pathlib import Path
 
 from stages import data, fidelity, llamacpp, memory
 from stages.config import QUANT_FTYPES, RunConfig, load_config
+from stages.llamacpp_process import LlamaProcess
 from stages.memory import MemoryReport
 from stages.modelio import load_tokenizer
 
@@ -198,23 +199,18 @@ def check_tokenization(gguf_path: Path, tokenizer, texts: list[str]) -> dict:
     A mismatch (typically a "▁" llama.cpp puts after special tokens that the HF tokenizer
     does not) makes every served prompt slightly foreign to the model.
     """
-    import llama_cpp
-
-    vocab = llama_cpp.Llama(model_path=str(gguf_path), vocab_only=True, verbose=llamacpp.VERBOSE)
-    try:
-        for text in texts:
+    with LlamaProcess(gguf_path.name) as vocab:
+        vocab.call("load", str(gguf_path), vocab_only=True)
+        for text, gg in zip(texts, vocab.call("tokenize", texts), strict=True):
             hf = tokenizer(text, add_special_tokens=False)["input_ids"]
-            gg = vocab.tokenize(text.encode(), add_bos=False, special=True)
             if hf != gg:
                 i = next((k for k, (a, b) in enumerate(zip(hf, gg, strict=False)) if a != b), min(len(hf), len(gg)))
                 raise ValueError(
                     f"{gguf_path.name} tokenizes differently from the HF tokenizer at token {i} of {text[:60]!r}: "
-                    f"hf {tokenizer.convert_ids_to_tokens(hf[i:i + 3])} vs gguf "
-                    f"{[vocab.detokenize([t]).decode(errors='replace') for t in gg[i:i + 3]]}; for a SentencePiece "
-                    "Llama set \"legacy\": true in tokenizer_config.json (llama.cpp adds a space after special tokens)"
+                    f"hf {tokenizer.convert_ids_to_tokens(hf[i:i + 3])} vs gguf {vocab.call('pieces', gg[i:i + 3])}; "
+                    "for a SentencePiece Llama set \"legacy\": true in tokenizer_config.json (llama.cpp adds a space after "
+                    "special tokens)"
                 )
-    finally:
-        vocab.close()
     return {"texts_compared": len(texts), "identical": True}
 
 

@@ -16,8 +16,9 @@ from pathlib import Path
 
 import torch
 
-from stages import data, llamacpp, memory
+from stages import data, memory
 from stages.config import FidelitySection
+from stages.llamacpp_process import LlamaProcess
 
 # Full-vocabulary float32 log-probs are kept per position (152k vocab: 0.6 MB each), and
 # llama.cpp's logits_all holds n_ctx x vocab: each text is cut to this many tokens.
@@ -86,19 +87,9 @@ def compare(p_logs: list[torch.Tensor], q_logs: list[torch.Tensor]) -> tuple[tor
 
 def measure(quant: str, gguf: Path, sequences: list[list[int]], ref: list[torch.Tensor], limits: FidelitySection) -> Fidelity:
     """KL(P_hf || Q_gguf) and top-1 agreement of `gguf` over every position of `sequences`."""
-    import llama_cpp
-
-    n_ctx = max(len(s) for s in sequences)
-    llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=n_ctx, logits_all=True, verbose=llamacpp.VERBOSE,
-                          n_gpu_layers=-1 if llama_cpp.llama_supports_gpu_offload() else 0)
-    q_logs = []
-    try:
-        for ids in sequences:
-            llm.reset()
-            llm.eval(ids)
-            q_logs.append(torch.from_numpy(llm.scores[: len(ids)].copy()).float())
-    finally:
-        llm.close()
+    with LlamaProcess(gguf.name) as llm:  # llama.cpp never shares this (torch) process: see llamacpp_process
+        llm.call("load", str(gguf), n_ctx=max(len(s) for s in sequences), logits_all=True, n_gpu_layers="all")
+        q_logs = [torch.from_numpy(llm.call("scores", ids)).float() for ids in sequences]
     kl, top1 = compare(ref, q_logs)
     max_kl, min_top1 = limits.thresholds(quant)
     mean = float(kl.mean())

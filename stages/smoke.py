@@ -26,6 +26,7 @@ from pathlib import Path
 
 from stages import data, llamacpp, memory
 from stages.config import RunConfig, SmokeSection, load_config
+from stages.llamacpp_process import LlamaProcess
 from stages.memory import GIB, MemoryReport
 
 COMPUTE_BUFFER_GIB = 0.35   # llama.cpp's scratch for a batch of 512 on a 7B; small models use less
@@ -63,6 +64,7 @@ class SmokeFile:
     examples: list[dict]            # a few prompts with expected and actual answers
     device_used_before_load_gib: float | None = None
     device_used_after_load_gib: float | None = None
+    llama_peak_rss_gib: float | None = None  # the llama.cpp process's own peak RSS (host memory the server needs)
 
 
 @dataclass
@@ -81,6 +83,7 @@ def run(cfg: RunConfig, gguf_files: list[tuple[str, Path]], out_dir: Path) -> Sm
         for quant, path in gguf_files:
             results.append(smoke_file(cfg.smoke, quant, Path(path), prompts))
             r = results[-1]
+            meter.child_peak_gib = max(meter.child_peak_gib or 0.0, r.llama_peak_rss_gib or 0.0) or None
             print(f"smoke: {quant} {r.passed}/{r.n_prompts} passed ({r.accuracy:.0%}), "
                   f"{r.gen_tokens_per_s:.0f} gen tok/s, n_gpu_layers={r.plan.n_gpu_layers}/{r.plan.n_layers}")
         meter.extra["files"] = {r.quant: {"accuracy": r.accuracy, "device_used_gib": r.device_used_gib} for r in results}
@@ -132,42 +135,36 @@ def plan_offload(info: dict, n_ctx: int, gpu_memory_gib: float | None, gpu_offlo
 
 
 def smoke_file(s: SmokeSection, quant: str, path: Path, prompts: list[data.Sample]) -> SmokeFile:
-    import llama_cpp
-
     try:
         info = llamacpp.read_gguf(path)
     except ValueError as e:
         raise SmokeError(f"{e}; nothing was handed off") from None
-    plan = plan_offload(info, s.n_ctx, s.gpu_memory_gib, llama_cpp.llama_supports_gpu_offload())
-    before = memory.nvml_used_gib()
-    t0 = time.perf_counter()
-    try:
-        llm = llama_cpp.Llama(model_path=str(path), n_ctx=s.n_ctx, n_gpu_layers=plan.n_gpu_layers, seed=0, verbose=llamacpp.VERBOSE)
-    except (ValueError, RuntimeError) as e:
-        raise SmokeError(f"{path.name} does not load under llama.cpp (llama-cpp-python {llama_cpp.__version__}): {e}; "
-                         "nothing was handed off") from None
-    load_s = time.perf_counter() - t0
-    loaded = memory.nvml_used_gib()
-    passed = stopped = 0
-    examples = []
-    p_tok = p_ms = g_tok = g_ms = 0.0
-    try:
+    # llama.cpp in a process of its own (see llamacpp_process): what it holds is what the serving card must hold.
+    with LlamaProcess(path.name) as llm:
+        plan = plan_offload(info, s.n_ctx, s.gpu_memory_gib, llm.call("gpu_offload"))
+        before = memory.nvml_used_gib()
+        t0 = time.perf_counter()
+        try:
+            llm.call("load", str(path), n_ctx=s.n_ctx, n_gpu_layers=plan.n_gpu_layers, seed=0)
+        except (ValueError, RuntimeError) as e:
+            raise SmokeError(f"{path.name} does not load under llama.cpp (llama-cpp-python {llamacpp.runtime_version()}): "
+                             f"{e}; nothing was handed off") from None
+        load_s = time.perf_counter() - t0
+        loaded = memory.nvml_used_gib()
+        passed = stopped = 0
+        examples = []
+        p_tok = p_ms = g_tok = g_ms = 0.0
         for sample in prompts:
-            llama_cpp.llama_perf_context_reset(llm.ctx)
-            out = llm.create_chat_completion(messages=sample.prompt_messages, temperature=0.0, max_tokens=s.max_tokens, seed=0)
-            perf = llama_cpp.llama_perf_context(llm.ctx)
-            p_tok, p_ms, g_tok, g_ms = p_tok + perf.n_p_eval, p_ms + perf.t_p_eval_ms, g_tok + perf.n_eval, g_ms + perf.t_eval_ms
-            choice = out["choices"][0]
-            got = (choice["message"]["content"] or "").strip()
-            ends = choice["finish_reason"] == "stop"
+            out = llm.call("chat", sample.prompt_messages, s.max_tokens)
+            p_tok, p_ms, g_tok, g_ms = p_tok + out["n_p_eval"], p_ms + out["t_p_eval_ms"], g_tok + out["n_eval"], g_ms + out["t_eval_ms"]
+            got = out["content"].strip()
+            ends = out["finish_reason"] == "stop"
             ok = got == sample.answer.strip() if s.check == "exact" else (bool(got) and ends)
             passed += ok
             stopped += ends
             if len(examples) < 5 or (not ok and len(examples) < 10):
-                examples.append({"id": sample.id, "expected": sample.answer, "got": got, "finish_reason": choice["finish_reason"], "ok": ok})
+                examples.append({"id": sample.id, "expected": sample.answer, "got": got, "finish_reason": out["finish_reason"], "ok": ok})
         used = memory.nvml_used_gib()
-    finally:
-        llm.close()
     n = len(prompts)
     return SmokeFile(
         quant=quant, path=path, plan=plan, n_prompts=n, passed=passed, accuracy=passed / n if n else 0.0,
@@ -176,6 +173,7 @@ def smoke_file(s: SmokeSection, quant: str, path: Path, prompts: list[data.Sampl
         gen_tokens_per_s=round(g_tok / (g_ms / 1000), 1) if g_ms else 0.0,
         load_s=round(load_s, 3), device_used_gib=used[0] if used else None, examples=examples,
         device_used_before_load_gib=before[0] if before else None, device_used_after_load_gib=loaded[0] if loaded else None,
+        llama_peak_rss_gib=round(llm.peak_rss_gib, 3) if llm.peak_rss_gib else None,
     )
 
 

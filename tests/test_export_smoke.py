@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import shutil
+import signal
 from pathlib import Path
 
 import pytest
 
 from stages import export, fidelity, llamacpp, smoke
 from stages.config import load_config
+from stages.llamacpp_process import LlamaCrashed, LlamaProcess
 from stages.modelio import load_tokenizer
 from tests.conftest import REPO, write_config
 
@@ -131,3 +134,30 @@ def test_a_gguf_that_does_not_load_stops_the_smoke_test(tmp_path):
     cfg = load_config(write_config(tmp_path))
     with pytest.raises(smoke.SmokeError, match=r"model-Q4_K_M.gguf: not a readable GGUF file.*nothing was handed off"):
         smoke.run(cfg, [("Q4_K_M", bad)], tmp_path / "smoke")
+
+
+def test_llama_cpp_runs_in_a_process_of_its_own_without_torch(run_dir):
+    # A CUDA build of llama.cpp segfaults loading a model in a process that imported torch
+    # (bench/results/llama_gpu_diag.json): fidelity, tokenization and smoke use this process.
+    import torch
+
+    gguf = run_dir / "export" / "model-f16.gguf"
+    with LlamaProcess(gguf.name) as llm:
+        info = llm.call("load", str(gguf), n_ctx=32, logits_all=True, n_gpu_layers="all")
+        scores = llm.call("scores", [1, 2, 3])
+        maps = Path(f"/proc/{llm.proc.pid}/maps").read_text()
+    assert scores.shape == (3, info["n_vocab"]) and info["n_ctx"] >= 32
+    assert "libllama" in maps and "libtorch" not in maps and "libtorch" in Path("/proc/self/maps").read_text()
+    assert torch.isfinite(torch.from_numpy(scores)).all()
+    assert llm.peak_rss_gib and llm.peak_rss_gib > 0
+
+
+def test_a_crash_inside_llama_cpp_is_one_clear_error(run_dir):
+    gguf = run_dir / "export" / "model-f16.gguf"
+    with LlamaProcess(gguf.name) as llm:
+        llm.call("load", str(gguf), n_ctx=32, logits_all=True)
+        os.kill(llm.proc.pid, signal.SIGSEGV)  # what the CUDA build did inside llama_model_load_from_file
+        with pytest.raises(LlamaCrashed, match=r"died \(signal SIGSEGV\) during scores of model-f16.gguf; nothing was handed off"):
+            llm.call("scores", [1, 2, 3])
+    with LlamaProcess(gguf.name) as llm, pytest.raises(ValueError, match="Failed to load model"):
+        llm.call("load", str(run_dir / "export" / "export_result.json"))  # an error inside comes back as itself

@@ -1,0 +1,168 @@
+"""llama.cpp in a fresh Python process of its own, one that never imports torch.
+
+Fidelity, the tokenization check and the smoke test load GGUF files with llama-cpp-python.
+With the CUDA build, a model load segfaults inside llama_model_load_from_file in any process
+that has imported torch or transformers, CUDA touched or not; alone it works (H200,
+bench/results/llama_gpu_diag.json, a 2-layer model as a 7B; the CPU build never crashed).
+The flow's process has trained, merged and run the reference with torch. In a separate process:
+- llama.cpp gets a process without torch's CUDA context and libraries;
+- a native crash there is one clear error naming the file, not a dead flow;
+- the child's peak RSS is llama.cpp's own, the figure the serving team needs.
+
+    with LlamaProcess() as llm:
+        llm.call("load", path, n_ctx=512, n_gpu_layers=-1)
+        scores = llm.call("scores", [1, 2, 3])
+
+The parent sends pickled (function, args, kwargs) on the child's stdin and reads pickled
+results from a dedicated pipe; llama.cpp's own log goes to stderr.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import resource
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from stages.llamacpp import VERBOSE
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class LlamaCrashed(RuntimeError):
+    """The llama.cpp process died (a native crash or the OOM killer)."""
+
+
+class LlamaProcess:
+    def __init__(self, what: str = "llama.cpp") -> None:
+        self.what = what  # named in the error if the process dies
+        read_fd, write_fd = os.pipe()
+        env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-X", "faulthandler", "-m", "stages.llamacpp_process", str(write_fd)],
+            stdin=subprocess.PIPE, pass_fds=(write_fd,), env=env, cwd=ROOT,
+        )
+        os.close(write_fd)
+        self.results = os.fdopen(read_fd, "rb")
+        self.peak_rss_gib: float | None = None
+
+    def call(self, fn: str, *args, **kwargs):
+        """Run `fn` (a function of this module's WORKER table) in the child and return its result."""
+        try:
+            pickle.dump((fn, args, kwargs), self.proc.stdin, protocol=pickle.HIGHEST_PROTOCOL)
+            self.proc.stdin.flush()
+            status, value = pickle.load(self.results)
+        except (EOFError, BrokenPipeError, pickle.UnpicklingError):
+            rc = self.proc.wait()
+            how = f"signal {signal.Signals(-rc).name}" if rc < 0 else f"exit code {rc}"
+            raise LlamaCrashed(
+                f"llama.cpp's process died ({how}) during {fn} of {self.what}; nothing was handed off. "
+                "Its Python stack is above; set TAE_LLAMA_VERBOSE=1 to keep llama.cpp's own log"
+                + (" (SIGKILL is usually the kernel's OOM killer: less smoke.n_ctx or fewer layers on the GPU)" if rc == -9 else "")
+            ) from None
+        if status == "error":
+            kind, message = value
+            raise (ValueError if kind == "ValueError" else RuntimeError)(message)
+        return value
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.peak_rss_gib = self.call("peak_rss_gib")
+                self.proc.stdin.close()
+            except (LlamaCrashed, OSError):
+                pass
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.results.close()
+
+    def __enter__(self) -> LlamaProcess:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+# --- the child ------------------------------------------------------------------------
+_llm = None
+
+
+def _load(path: str, **kwargs) -> dict:
+    import llama_cpp
+
+    global _llm
+    if _llm is not None:
+        _llm.close()
+    if kwargs.get("n_gpu_layers") == "all":
+        kwargs["n_gpu_layers"] = -1 if llama_cpp.llama_supports_gpu_offload() else 0
+    _llm = llama_cpp.Llama(model_path=path, verbose=VERBOSE, **kwargs)
+    return {"n_vocab": _llm.n_vocab(), "n_ctx": _llm.n_ctx()}
+
+
+def _gpu_offload() -> bool:
+    import llama_cpp
+
+    return bool(llama_cpp.llama_supports_gpu_offload())
+
+
+def _scores(ids: list[int]):
+    """Logits (float32 numpy, len(ids) x vocab) at every position of `ids` (needs logits_all)."""
+    _llm.reset()
+    _llm.eval(ids)
+    return _llm.scores[: len(ids)].copy()
+
+
+def _tokenize(texts: list[str]) -> list[list[int]]:
+    return [_llm.tokenize(t.encode(), add_bos=False, special=True) for t in texts]
+
+
+def _pieces(ids: list[int]) -> list[str]:
+    return [_llm.detokenize([t]).decode(errors="replace") for t in ids]
+
+
+def _chat(messages: list[dict], max_tokens: int) -> dict:
+    """A greedy chat completion through the GGUF's own template, with llama.cpp's perf counters."""
+    import llama_cpp
+
+    llama_cpp.llama_perf_context_reset(_llm.ctx)
+    out = _llm.create_chat_completion(messages=messages, temperature=0.0, max_tokens=max_tokens, seed=0)
+    perf = llama_cpp.llama_perf_context(_llm.ctx)
+    choice = out["choices"][0]
+    return {"content": choice["message"]["content"] or "", "finish_reason": choice["finish_reason"],
+            "n_p_eval": perf.n_p_eval, "t_p_eval_ms": perf.t_p_eval_ms, "n_eval": perf.n_eval, "t_eval_ms": perf.t_eval_ms}
+
+
+def _peak_rss_gib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30
+
+
+WORKER = {"load": _load, "gpu_offload": _gpu_offload, "scores": _scores, "tokenize": _tokenize, "pieces": _pieces,
+          "chat": _chat, "peak_rss_gib": _peak_rss_gib}
+
+
+def _serve(result_fd: int) -> None:
+    out = os.fdopen(result_fd, "wb")
+    while True:
+        try:
+            fn, args, kwargs = pickle.load(sys.stdin.buffer)
+        except EOFError:
+            break
+        try:
+            reply = ("ok", WORKER[fn](*args, **kwargs))
+        except Exception as e:  # sent back and raised in the parent with the same message
+            reply = ("error", (type(e).__name__, str(e)))
+        pickle.dump(reply, out, protocol=pickle.HIGHEST_PROTOCOL)
+        out.flush()
+    if _llm is not None:
+        _llm.close()
+
+
+if __name__ == "__main__":
+    assert "torch" not in sys.modules, "the llama.cpp process must not import torch"
+    _serve(int(sys.argv[1]))
