@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import os
 import pickle
-import resource
 import signal
 import subprocess
 import sys
+import traceback
 from pathlib import Path
 
+from stages import memory
 from stages.llamacpp import VERBOSE
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -41,11 +42,16 @@ class LlamaProcess:
         self.what = what  # named in the error if the process dies
         read_fd, write_fd = os.pipe()
         env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-        self.proc = subprocess.Popen(
-            [sys.executable, "-X", "faulthandler", "-m", "stages.llamacpp_process", str(write_fd)],
-            stdin=subprocess.PIPE, pass_fds=(write_fd,), env=env, cwd=ROOT,
-        )
-        os.close(write_fd)
+        try:  # -P: a `stages` package in the caller's working directory must not shadow this one
+            self.proc = subprocess.Popen(
+                [sys.executable, "-P", "-X", "faulthandler", "-m", "stages.llamacpp_process", str(write_fd)],
+                stdin=subprocess.PIPE, pass_fds=(write_fd,), env=env,
+            )
+        except BaseException:
+            os.close(read_fd)
+            raise
+        finally:
+            os.close(write_fd)
         self.results = os.fdopen(read_fd, "rb")
         self.peak_rss_gib: float | None = None
 
@@ -57,29 +63,35 @@ class LlamaProcess:
             status, value = pickle.load(self.results)
         except (EOFError, BrokenPipeError, pickle.UnpicklingError):
             rc = self.proc.wait()
-            how = f"signal {signal.Signals(-rc).name}" if rc < 0 else f"exit code {rc}"
+            how = f"signal {_signal_name(-rc)}" if rc < 0 else f"exit code {rc}"
             raise LlamaCrashed(
                 f"llama.cpp's process died ({how}) during {fn} of {self.what}; nothing was handed off. "
                 "Its Python stack is above; set TAE_LLAMA_VERBOSE=1 to keep llama.cpp's own log"
                 + (" (SIGKILL is usually the kernel's OOM killer: less smoke.n_ctx or fewer layers on the GPU)" if rc == -9 else "")
             ) from None
-        if status == "error":
+        if status == "error":  # the child printed its traceback to stderr
             kind, message = value
-            raise (ValueError if kind == "ValueError" else RuntimeError)(message)
+            if kind == "ValueError":  # llama-cpp-python's "Failed to load model from file"
+                raise ValueError(message)
+            raise RuntimeError(f"{kind} in llama.cpp's process during {fn} of {self.what}: {message}")
         return value
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            try:
+        """Let the child exit (after asking its peak RSS); never raises, so an error being handled stays the error."""
+        try:
+            if self.proc.poll() is None:
                 self.peak_rss_gib = self.call("peak_rss_gib")
-                self.proc.stdin.close()
-            except (LlamaCrashed, OSError):
-                pass
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        except Exception:
+            pass
+        try:
+            self.proc.stdin.close()
+        except OSError:
+            pass
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
         self.results.close()
 
     def __enter__(self) -> LlamaProcess:
@@ -138,12 +150,16 @@ def _chat(messages: list[dict], max_tokens: int) -> dict:
             "n_p_eval": perf.n_p_eval, "t_p_eval_ms": perf.t_p_eval_ms, "n_eval": perf.n_eval, "t_eval_ms": perf.t_eval_ms}
 
 
-def _peak_rss_gib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30
+def _signal_name(n: int) -> str:
+    try:
+        return signal.Signals(n).name
+    except ValueError:  # real-time and other unnamed signals
+        return str(n)
 
 
+# VmHWM, not ru_maxrss: the latter starts at the (torch) parent's peak, inherited across fork and exec.
 WORKER = {"load": _load, "gpu_offload": _gpu_offload, "scores": _scores, "tokenize": _tokenize, "pieces": _pieces,
-          "chat": _chat, "peak_rss_gib": _peak_rss_gib}
+          "chat": _chat, "peak_rss_gib": memory.peak_rss_gib}
 
 
 def _serve(result_fd: int) -> None:
@@ -156,7 +172,8 @@ def _serve(result_fd: int) -> None:
         try:
             reply = ("ok", WORKER[fn](*args, **kwargs))
         except Exception as e:  # sent back and raised in the parent with the same message
-            reply = ("error", (type(e).__name__, str(e)))
+            traceback.print_exc()
+            reply = ("error", (type(e).__name__, str(e) or repr(e)))
         pickle.dump(reply, out, protocol=pickle.HIGHEST_PROTOCOL)
         out.flush()
     if _llm is not None:

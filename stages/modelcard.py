@@ -164,6 +164,9 @@ def readme(manifest: dict, modelfile_has_template: bool) -> str:
         "ollama create my-model -f Modelfile && ollama run my-model",
         "```",
         "",
+        "With a CUDA build of llama-cpp-python, load the GGUF in a process that has not imported torch or transformers: "
+        "on an H200 with llama-cpp-python 0.3.36 such a process segfaulted in the model load, a fresh one did not.",
+        "",
         "The chat template is stored in each GGUF (`tokenizer.chat_template`) and used by llama.cpp's chat endpoints. "
         + ("The Modelfile carries the same template as Ollama's Go template, checked against the Jinja rendering."
            if modelfile_has_template else "The Modelfile leaves TEMPLATE to the one stored in the GGUF."),

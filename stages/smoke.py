@@ -26,7 +26,7 @@ from pathlib import Path
 
 from stages import data, llamacpp, memory
 from stages.config import RunConfig, SmokeSection, load_config
-from stages.llamacpp_process import LlamaProcess
+from stages.llamacpp_process import LlamaCrashed, LlamaProcess
 from stages.memory import GIB, MemoryReport
 
 COMPUTE_BUFFER_GIB = 0.35   # llama.cpp's scratch for a batch of 512 on a 7B; small models use less
@@ -146,6 +146,8 @@ def smoke_file(s: SmokeSection, quant: str, path: Path, prompts: list[data.Sampl
         t0 = time.perf_counter()
         try:
             llm.call("load", str(path), n_ctx=s.n_ctx, n_gpu_layers=plan.n_gpu_layers, seed=0)
+        except LlamaCrashed:
+            raise
         except (ValueError, RuntimeError) as e:
             raise SmokeError(f"{path.name} does not load under llama.cpp (llama-cpp-python {llamacpp.runtime_version()}): "
                              f"{e}; nothing was handed off") from None
