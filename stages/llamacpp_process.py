@@ -112,7 +112,7 @@ def _load(path: str, **kwargs) -> dict:
     if _llm is not None:
         _llm.close()
     if kwargs.get("n_gpu_layers") == "all":
-        kwargs["n_gpu_layers"] = -1 if llama_cpp.llama_supports_gpu_offload() else 0
+        kwargs["n_gpu_layers"] = -1 if _gpu_offload() else 0
     _llm = llama_cpp.Llama(model_path=path, verbose=VERBOSE, **kwargs)
     return {"n_vocab": _llm.n_vocab(), "n_ctx": _llm.n_ctx()}
 
