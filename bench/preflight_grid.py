@@ -42,6 +42,31 @@ SHAPES = {
     "llama-8b": dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=4096, intermediate_size=14336,
                      num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
                      max_position_embeddings=32768, rope_theta=5e5, tie_word_embeddings=False),
+    # Qwen2.5-1.5B shapes: tied 152k table, 6:1 GQA
+    "qwen2.5-1.5b": dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], hidden_size=1536, intermediate_size=8960,
+                         num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2, vocab_size=151936,
+                         max_position_embeddings=131072, rope_theta=1e6, tie_word_embeddings=True),
+    # Llama-3.2-3B shapes: tied 128k table, 3:1 GQA, head_dim 128
+    "llama-3b": dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=3072, intermediate_size=8192,
+                     num_hidden_layers=28, num_attention_heads=24, num_key_value_heads=8, vocab_size=128256,
+                     max_position_embeddings=131072, rope_theta=5e5, tie_word_embeddings=True),
+    # Mistral-7B shapes: untied 32k table, 4:1 GQA
+    "mistral-7b": dict(model_type="mistral", architectures=["MistralForCausalLM"], hidden_size=4096, intermediate_size=14336,
+                       num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, vocab_size=32768,
+                       max_position_embeddings=131072, rope_theta=1e6, tie_word_embeddings=False, sliding_window=None),
+    # held out of the fit: SmolLM2-360M shapes (width 960, not a multiple of 256; tied 49k table, 3:1 GQA)
+    "smollm2-360m": dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=960, intermediate_size=2560,
+                         num_hidden_layers=32, num_attention_heads=15, num_key_value_heads=5, vocab_size=49152,
+                         max_position_embeddings=131072, rope_theta=1e5, tie_word_embeddings=True),
+    # held out of the fit: Qwen2.5-0.5B shapes (width 896, 7:1 GQA, tied 152k table)
+    "qwen2.5-0.5b": dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], hidden_size=896, intermediate_size=4864,
+                         num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2, vocab_size=151936,
+                         max_position_embeddings=131072, rope_theta=1e6, tie_word_embeddings=True),
+    # tiny shapes for CPU dry runs of the GPU scripts
+    "tiny-tied": dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], hidden_size=64, intermediate_size=160,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=1000, tie_word_embeddings=True),
+    "tiny-untied": dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=64, intermediate_size=160,
+                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=1000, tie_word_embeddings=False),
 }
 QVO = ["q_proj", "v_proj", "o_proj"]
 # (quant, r, targets, seq, micro-batch, checkpointing, cross-entropy)
