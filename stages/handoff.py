@@ -78,7 +78,7 @@ def run(
     if final.exists():
         raise FileExistsError(f"bundle {final} already exists; versions are immutable, publish under a new run id")
     root.mkdir(parents=True, exist_ok=True)
-    with track("handoff", out_dir) as meter:
+    with track("handoff", out_dir, gpu=False) as meter:
         tmp = Path(tempfile.mkdtemp(prefix=f".{version}.", dir=root))
         try:
             names = []

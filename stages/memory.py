@@ -31,9 +31,12 @@ class MemoryReport:
     wall_s: float
     peak_rss_gib: float               # this process, this stage
     child_peak_rss_gib: float | None  # largest child process of this stage (converter), if any
-    peak_alloc_gib: float | None = None     # torch, CUDA only
+    peak_alloc_gib: float | None = None     # torch, CUDA only; counters reset at the stage start
     peak_reserved_gib: float | None = None
     peak_active_gib: float | None = None
+    start_alloc_gib: float | None = None    # torch memory already held when the stage began (an earlier stage's)
+    start_reserved_gib: float | None = None
+    end_alloc_gib: float | None = None      # what the stage left allocated
     nvml_used_gib: float | None = None      # whole device, at the end of the stage
     device_total_gib: float | None = None
     extra: dict = field(default_factory=dict)  # stage-specific figures (e.g. llama.cpp's device use)
@@ -150,20 +153,28 @@ class track:
             meter.run([sys.executable, "convert_hf_to_gguf.py", ...])   # child's own peak RSS too
             meter.extra["gguf_mib"] = 12.5
         meter.report.peak_gib
+
+    The figures are the stage's own: what earlier stages dropped is collected and the CUDA
+    cache emptied before the peak counters are reset, and what was still allocated then is
+    recorded apart (start_alloc_gib). A stage that does not use torch on the GPU (gpu=False:
+    hand-off, or smoke, whose llama.cpp runs in a child process measured by NVML) has no
+    torch figures at all rather than a copy of what the process happened to hold.
     """
 
-    def __init__(self, stage: str, stage_dir: Path) -> None:
-        self.stage, self.stage_dir = stage, Path(stage_dir)
+    def __init__(self, stage: str, stage_dir: Path, *, gpu: bool = True) -> None:
+        self.stage, self.stage_dir, self.gpu = stage, Path(stage_dir), gpu
         self.child_peak_gib: float | None = None
         self.extra: dict = {}
         self.report: MemoryReport | None = None
 
     def __enter__(self) -> track:
-        self._torch = _cuda()
+        self._torch = _cuda() if self.gpu else None
+        free_gpu()  # llama.cpp (smoke) too gets the GPU memory earlier stages dropped
         _reset_peak_rss()
         if self._torch is not None:
             self._torch.cuda.synchronize()
             self._torch.cuda.reset_peak_memory_stats()
+            self._start = (self._torch.cuda.memory_allocated() / GIB, self._torch.cuda.memory_reserved() / GIB)
         self._t0 = time.perf_counter()
         return self
 
@@ -197,6 +208,8 @@ class track:
             r.device = torch.cuda.get_device_name()
             r.peak_alloc_gib, r.peak_reserved_gib, r.peak_active_gib = (
                 s["peak_alloc_gib"], s["peak_reserved_gib"], s["peak_active_gib"])
+            r.start_alloc_gib, r.start_reserved_gib = (round(v, 4) for v in self._start)
+            r.end_alloc_gib = round(s["alloc_gib"], 4)
             nv = nvml_used_gib(torch.cuda.current_device())
             if nv:
                 r.nvml_used_gib, r.device_total_gib = nv
@@ -206,6 +219,7 @@ class track:
 
 
 def format_row(r: MemoryReport) -> str:
-    gpu = f", peak reserved {r.peak_reserved_gib:.2f} GiB" if r.peak_reserved_gib is not None else ""
+    held = f" (of which {r.start_reserved_gib:.2f} held at its start)" if r.start_reserved_gib else ""
+    gpu = f", peak reserved {r.peak_reserved_gib:.2f} GiB{held}" if r.peak_reserved_gib is not None else ""
     child = f", child {r.child_peak_rss_gib:.2f} GiB" if r.child_peak_rss_gib else ""
     return f"{r.stage}: {r.wall_s:.1f} s, peak RSS {r.peak_rss_gib:.2f} GiB{child}{gpu}"

@@ -54,13 +54,20 @@ def device() -> torch.device:
     return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
 
 
-def compute_dtype(choice: str) -> torch.dtype:
-    """auto: bf16 on a GPU that has it, fp32 on CPU (bf16 matmuls are emulated there and slow)."""
+def compute_dtype(choice: str, cuda: bool | None = None) -> torch.dtype:
+    """auto: bf16 on a GPU that has it, fp32 on CPU (bf16 matmuls are emulated there and slow).
+
+    Args:
+        cuda: the device to decide for (the preflight estimates for a GPU from a laptop);
+            None: this machine's.
+    """
     if choice != "auto":
         return getattr(torch, choice)
-    if torch.cuda.is_available():
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return torch.float32
+    if cuda is None:
+        cuda = torch.cuda.is_available()
+        if cuda and not torch.cuda.is_bf16_supported():
+            return torch.float16
+    return torch.bfloat16 if cuda else torch.float32
 
 
 def load_tokenizer(model: ModelSection):

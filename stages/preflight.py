@@ -41,21 +41,22 @@ OPTIM_BYTES = {"auto": 8, "adamw_torch": 8, "adamw_torch_fused": 8, "paged_adamw
 # tokens: +92% to +122%), so the measured probe, not the estimate, must decide there.
 PROBE_IF_UNDER = 2.5
 CUDA_CONTEXT_GIB = 0.5      # typical CUDA context of a torch process; not in torch's counters (not measured here)
-# Fitted by bench/fit_preflight.py to 28 measured H200 runs (bench/results/preflight_grid_raw_*.json).
+CUBLAS_WORKSPACE = 64 * 2**20  # cuBLAS's workspaces in torch's allocator: what stays allocated after a freed model (H200)
+LOSS_H = 3  # hidden-sized tensors around Liger's loss: the final hidden states, their norm, the input gradient it computes in forward
+# Fitted by bench/fit_memory.py to the default-settings grid (bench/results/memory_grid_raw_run*.jsonl).
 COEF = dict(
-    save=1.0,           # x L*T*H*act: checkpointed layer inputs (not fitted: exact)
-    work_h=22.606,      # x T*H*act: one layer's hidden-sized tensors + grads during recompute
-    work_i=6.192,       # x T*I*act: its intermediate-sized (MLP) tensors + grads
-    work_d=0.001,       # x T*D bytes: dropout copies of adapted inputs
-    full_h=11.835,      # x L*T*H*act: every layer's hidden-sized saved tensors (no checkpointing)
-    full_i=3.174,       # x L*T*I*act
-    full_d=0.235,       # x L*T*D bytes
-    loss_h=12.236,      # x T*H*act: final norm, head input and their grads around the loss
-    logits=14.07,       # bytes per logit element, plain cross-entropy (bf16 logits, fp32 upcast, fp32 grad)
-    chunked=58.166,     # bytes per hidden element, chunked cross-entropy (Liger's chunk buffers and grads)
-    mask=3.274,         # bytes per element of the batch x seq x seq padding mask
-    frag_logits=0.005,  # reserved - allocated, per plain-CE logit element
-    frag_gib=0.084,     # reserved - allocated, otherwise (expandable_segments)
+    layer_h=6.0,        # x T*H*act: hidden-sized tensors and grads of the layer being back-propagated (beyond its input)
+    layer_kv=2.0,       # x T*KV*act: its key/value-sized ones
+    layer_i=3.0,        # x T*I*act: its intermediate-sized ones, untiled (SwiGLU's gate and up, the product's grad)
+    tiled_h=2.0,        # x T*H*act: with the tiled MLP instead: its saved input and the input grad it accumulates
+    tile_i=5.0,         # x shard*I*act: one tiled-MLP shard recomputed and back-propagated
+    nf4_i=1.0,          # x T*I*act: QLoRA, untiled: one more intermediate-sized tensor than 16-bit LoRA (measured, not traced)
+    nf4_tiled_h=0.0,    # x T*H*act: QLoRA, tiled: hidden-sized difference to 16-bit LoRA (measured)
+    mask=1.0,           # bytes per element of the batch x seq x seq padding mask
+    slack_gib=0.125,    # allocator: what a capped run cannot give back (partly used pages, the small-block pool)
+    slack=0.01,         # allocator: as a fraction of the step's activations
+    logits=14.07,       # bytes per logit element, plain cross-entropy (bf16 logits, fp32 upcast, fp32 grad; earlier grid)
+    frag_logits=0.005,  # reserved - allocated, per plain-CE logit element (earlier grid)
 )
 
 
@@ -209,15 +210,17 @@ def run(cfg: RunConfig, out_dir: Path, gpu_memory_gib: float | None = None) -> P
     return result
 
 
-def probe(cfg: RunConfig, worst_len: int, cap_gib: float, out_dir: Path) -> ProbeResult:
+def probe(cfg: RunConfig, worst_len: int, cap_gib: float, out_dir: Path, model=None) -> ProbeResult:
     """Two real optimizer steps on the worst micro-batch, built exactly as training builds it,
     with the process capped at `cap_gib` (torch.cuda.set_per_process_memory_fraction).
 
     The batch is the longest sample plus rows one token shorter, so dynamic padding and the
     padding mask appear as they will in training.
-    """
-    import gc
 
+    Args:
+        model: an already built stage model (bench/memory_grid.py reuses one across rows);
+            None builds it here, which is what preflight does.
+    """
     import torch
 
     from stages import train
@@ -225,13 +228,13 @@ def probe(cfg: RunConfig, worst_len: int, cap_gib: float, out_dir: Path) -> Prob
     total = torch.cuda.get_device_properties(0).total_memory
     b = cfg.training.per_device_train_batch_size
     batch = [worst_len] + [max(1, worst_len - 1)] * (b - 1)
-    gc.collect()
-    torch.cuda.empty_cache()
+    memory.free_gpu()
     torch.cuda.set_per_process_memory_fraction(min(1.0, cap_gib * GIB / total))
     torch.cuda.reset_peak_memory_stats()
-    model = trainer = None
+    built, trainer = model is None, None
     try:
-        model = train.build_model(cfg)
+        if built:
+            model = train.build_model(cfg)
         vocab = model.get_input_embeddings().num_embeddings
         gen = torch.Generator().manual_seed(0)
         rows = []
@@ -251,9 +254,12 @@ def probe(cfg: RunConfig, worst_len: int, cap_gib: float, out_dir: Path) -> Prob
         postmortem.write_text(f"{error}\n\nbatch rows: {batch}\n\n{torch.cuda.memory_summary()}")
     finally:
         peak_reserved, peak_alloc = torch.cuda.max_memory_reserved() / GIB, torch.cuda.max_memory_allocated() / GIB
-        del trainer, model
-        gc.collect()
-        torch.cuda.empty_cache()
+        if trainer is not None:
+            train.release(trainer)
+        if built:
+            model = None
+        del trainer
+        memory.free_gpu()
         torch.cuda.set_per_process_memory_fraction(1.0)
     return ProbeResult(ok, round(peak_reserved, 4), round(peak_alloc, 4), round(cap_gib, 3), batch, postmortem, error)
 
@@ -272,78 +278,124 @@ def scan_lengths(cfg: RunConfig) -> LengthScan:
 
 
 def estimate(cfg: RunConfig, s: Shapes, seq: int, on_gpu: bool, coef: dict | None = None) -> Estimate:
-    """Peak memory of one optimizer step on a micro-batch padded to `seq` tokens.
+    """Peak memory (torch's reserved, on a GPU) of one optimizer step on a micro-batch padded to `seq` tokens.
 
-    The peak is the larger of two moments of the step, on top of what persists:
-      persistent   base weights (16-bit, or NF4 + 16-bit embeddings/lm_head/norms for QLoRA),
-                   fp32 adapters + fp32 grads + optimizer states, and the activations kept
-                   for backward: each layer's input under checkpointing, or every layer's
-                   saved tensors without it
-      loss         hidden-sized buffers around the head, and the logits: tokens x vocab
-                   (plain cross-entropy: bf16 logits, fp32 upcast, fp32 grad) or a few
-                   hidden-sized rows (chunked, Liger)
-      layer        under checkpointing, one layer recomputed and back-propagated: its MLP
-                   (intermediate-sized) and attention (hidden-sized) tensors and their grads,
-                   plus the dropout copies of every adapted module's input
-    plus the 4-D padding mask of a padded micro-batch (batch x seq x seq) and the
-    allocator's overhead (reserved - allocated), which plain cross-entropy's large blocks
-    raise. Coefficients (COEF) are fitted to 28 measured H200 runs (bench/fit_preflight.py).
+    Counted from what each piece of the training stage keeps, with the settings it resolves
+    (`train.resolve_auto`: host embeddings, offloaded layer inputs, Liger kernels, 8-bit
+    paged AdamW, the tiled MLP):
+      persistent  base weights (16-bit, or NF4 + 16-bit embeddings/lm_head/norms for QLoRA;
+                  the input table in host memory when untied and offloaded), fp32 adapters
+                  and their grads, optimizer states as bitsandbytes places them (a paged
+                  state lives in CUDA managed memory, outside torch's allocator), cuBLAS's
+                  workspaces
+      kept        what autograd holds between forward and backward: each checkpointed
+                  layer's input (two of them on the GPU when offloaded: in use, prefetched),
+                  or every layer's saved tensors without checkpointing
+      peak moment the larger of
+                  layer: one layer recomputed and back-propagated: its hidden-, KV- and
+                  (untiled) intermediate-sized tensors and grads, one tile of the tiled MLP,
+                  the dropout copy and mask of every adapted module's input, and for QLoRA
+                  the largest weight dequantized for its input gradient
+                  loss: the final hidden states and, chunked (Liger's fused linear
+                  cross-entropy), one chunk of logits; plain, the whole tokens x vocab
+                  logits in 16 and 32 bits
+      mask        the 4-D padding mask of a padded micro-batch (batch x seq x seq)
+      allocator   reserved - allocated: blocks of one layer's working set the caching
+                  allocator cannot reuse for the next request
+    Coefficients (COEF) are fitted to the measured grid (bench/fit_memory.py), one per
+    mechanism, not per shape.
     """
     k = COEF | (coef or {})
     t, lo, q = cfg.training, cfg.lora, cfg.quantization
-    act = compute_dtype(cfg.model.torch_dtype).itemsize if on_gpu else 4
-    b = t.per_device_train_batch_size
-    tokens = b * seq
-    lin = s.linears()
-    mlp = {"gate_proj", "up_proj", "down_proj"}
-    linear_params = s.layers * sum(i * o * (s.experts if m in mlp else 1) for m, (i, o) in lin.items())
-    other_params = s.vocab * s.hidden * (1 if s.tied else 2) + (2 * s.layers + 1) * s.hidden
-    if q.load_in_4bit:
-        weights = linear_params * NF4_BYTES[q.bnb_4bit_use_double_quant] + other_params * act
-    else:
-        weights = (linear_params + other_params) * act
     from stages.train import resolve_auto
 
     gpu = resolve_auto(cfg, on_gpu=on_gpu)  # the settings as the train stage resolves them there
+    act = compute_dtype(cfg.model.torch_dtype, cuda=on_gpu).itemsize
+    b = t.per_device_train_batch_size
+    tokens = b * seq
+    lin = s.linears()
+    h, i, kv = s.hidden, s.intermediate, s.kv_heads * s.head_dim
+    mlp = {"gate_proj", "up_proj", "down_proj"}
+    linear_params = s.layers * sum(a * o * (s.experts if m in mlp else 1) for m, (a, o) in lin.items())
+    table = s.vocab * s.hidden
     host_embeddings = gpu["offload_embeddings"] and not s.tied  # a table tied to lm_head stays on the GPU
-    if host_embeddings:
-        weights -= s.vocab * s.hidden * act
+    other_params = (0 if host_embeddings else table) + (0 if s.tied else table) + (2 * s.layers + 1) * s.hidden
+    linear_bytes = linear_params * (NF4_BYTES[q.bnb_4bit_use_double_quant] if q.load_in_4bit else act)
+    weights = linear_bytes + other_params * act
+
     targets = list(lin) if lo.target_modules == "all-linear" else [m for m in lo.target_modules if m in lin]
-    lora_params = s.layers * sum(lo.r * (lin[m][0] + lin[m][1]) for m in targets)
-    # peft keeps adapters in fp32 (autocast_adapter_dtype): weights 4 + grads 4 + optimizer.
-    adapters = lora_params * (8 + OPTIM_BYTES[gpu["optim"]])
-    dropout_width = sum(lin[m][0] for m in targets) if lo.lora_dropout > 0 else 0
-    h, i = s.hidden, s.intermediate
-    # a tiled MLP holds one tile of tokens (micro-batch x hidden_size) of intermediate activations
-    mlp_tokens = min(tokens, b * h) if gpu["tiled_mlp"] else tokens
+    matrices = [n for m in targets for n in (lo.r * lin[m][0], lo.r * lin[m][1])]  # lora_A, lora_B of one layer
+    lora_params = s.layers * sum(matrices)
+    states = s.layers * sum(_state_bytes(gpu["optim"], n, on_gpu) for n in matrices)
+    adapters = lora_params * 8 + states  # peft keeps adapters in fp32 (autocast_adapter_dtype): weight 4 + grad 4
+    workspace = CUBLAS_WORKSPACE if on_gpu else 0
+
+    dropout = tokens * sum(lin[m][0] for m in targets) * (act + 1) if lo.lora_dropout > 0 else 0  # copy + mask
+    tiled = gpu["tiled_mlp"]
     if t.gradient_checkpointing:
-        # offloaded, only the layer in use and the one being prefetched stay on the GPU
-        kept = k["save"] * (2 if gpu["offload_activations"] else s.layers) * tokens * h * act
-        layer = (tokens * k["work_h"] * h + mlp_tokens * k["work_i"] * i) * act + k["work_d"] * tokens * dropout_width
+        kept = (2 if gpu["offload_activations"] else s.layers) * tokens * h * act
+        nf4 = q.load_in_4bit
+        if tiled:  # Liger's TiledMLP: shards of ceil(seq / hidden) per row, recomputed one at a time in backward
+            shard = b * math.ceil(seq / math.ceil(seq / h))
+            layer = (tokens * act * (k["layer_h"] * h + k["layer_kv"] * kv + (k["tiled_h"] + nf4 * k["nf4_tiled_h"]) * h)
+                     + k["tile_i"] * shard * i * act)
+        else:
+            layer = tokens * act * (k["layer_h"] * h + k["layer_kv"] * kv + (k["layer_i"] + nf4 * k["nf4_i"]) * i)
+        layer += dropout
+        if q.load_in_4bit:  # bitsandbytes dequantizes the weight to compute the input gradient
+            layer += max(a * o for a, o in lin.values()) * act
     else:
-        kept = s.layers * (tokens * (k["full_h"] * h + k["full_i"] * i) * act + k["full_d"] * tokens * dropout_width)
+        kept = s.layers * (tokens * act * (k["layer_h"] * h + k["layer_kv"] * kv + k["layer_i"] * i) + dropout)
         layer = 0.0
     chunked = _loss_mode(cfg, on_gpu) == "chunked"
-    loss = k["loss_h"] * tokens * h * act + (k["chunked"] * tokens * h if chunked else k["logits"] * tokens * s.vocab)
+    if chunked:  # Liger: chunks of next_pow2(tokens / ceil(vocab / hidden)) rows of logits, computed and consumed in turn
+        chunk = 1 << max(0, math.ceil(math.log2(math.ceil(tokens / math.ceil(s.vocab / h)))))
+        loss = LOSS_H * tokens * h * act + 2 * min(chunk, tokens) * s.vocab * act
+    else:
+        loss = LOSS_H * tokens * h * act + k["logits"] * tokens * s.vocab
     mask = k["mask"] * b * seq * seq if b > 1 else 0.0
     if cfg.model.attn_implementation == "eager":  # the seq x seq scores, per head, saved per layer
         mask += b * s.heads * seq * seq * act * (2 if t.gradient_checkpointing else 2 * s.layers)
     phase, peak = ("loss", loss) if loss >= layer else ("layer recompute + backward", layer)
-    allocated = weights + adapters + kept + peak + mask
-    overhead = (0.0 if chunked else k["frag_logits"] * tokens * s.vocab) + k["frag_gib"] * GIB if on_gpu else 0.0
+    # With expandable segments the allocator unmaps free pages inside its segment and maps them where a request
+    # needs them once the process reaches its cap: the 4-21% more an uncapped run reserves is given back, and a
+    # run capped a few % above its peak allocated completes (bench/results/cap_check.json). What stays is slack.
+    overhead = (k["slack_gib"] * GIB + k["slack"] * (kept + peak + mask)
+                + (0.0 if chunked else k["frag_logits"] * tokens * s.vocab)) if on_gpu else 0.0
+    paged = s.layers * sum(_state_bytes(gpu["optim"], n, on_gpu, paged=True) for n in matrices)
     items = {
         "base weights" + (" (NF4 + 16-bit embeddings)" if q.load_in_4bit else "")
         + (", input embedding in host memory" if host_embeddings else ""): weights,
-        f"LoRA weights+grads+{gpu['optim']} ({lora_params / 1e6:.1f} M params)": adapters,
+        f"LoRA weights+grads+{gpu['optim']} states ({lora_params / 1e6:.1f} M params)"
+        + (f"; {paged / GIB:.2f} GiB more states paged outside torch" if paged else ""): adapters,
+        "cuBLAS workspaces": workspace,
         "activations kept for backward" + (" (layer inputs, checkpointed" + (", offloaded to host)" if gpu["offload_activations"] else ")")
                                            if t.gradient_checkpointing else " (all layers)"): kept,
-        f"peak moment: {phase}" + (" (chunked cross-entropy)" if chunked and phase == "loss" else ""): peak,
+        f"peak moment: {phase}" + (" (chunked cross-entropy)" if chunked and phase == "loss" else "")
+        + (" (tiled MLP)" if tiled and phase != "loss" else ""): peak,
         "padding mask / attention scores": mask,
         "allocator overhead (reserved - allocated)": overhead,
     }
-    assert abs(sum(items.values()) - allocated - overhead) < 1e3
     gib = {key: round(v / GIB, 4) for key, v in items.items()}
     return Estimate(gib, round(sum(items.values()) / GIB, 4), items)
+
+
+def _state_bytes(optim: str, numel: int, on_gpu: bool, paged: bool = False) -> float:
+    """Optimizer-state bytes of one adapter matrix in torch's allocator (or, paged=True, in managed memory).
+
+    bitsandbytes keeps 8-bit states (2 x 1 byte + a 4-byte absmax per 256-block) for tensors of
+    at least 4096 elements and 32-bit ones below; its paged variants put states of 1e5 elements
+    and more in CUDA managed memory, which torch does not count and the driver can evict.
+    """
+    eight_bit = optim in ("paged_adamw_8bit", "adamw_8bit")
+    in_managed = optim.startswith("paged_") and on_gpu and numel >= 1e5
+    if paged:
+        return (2 + 8 / 256 if eight_bit else 8) * numel if in_managed else 0.0
+    if in_managed:
+        return 0.0
+    if eight_bit:
+        return (2 + 8 / 256) * numel if numel >= 4096 else 8 * numel
+    return OPTIM_BYTES[optim] * numel
 
 
 def _loss_mode(cfg: RunConfig, on_gpu: bool) -> str:

@@ -79,7 +79,7 @@ def run(cfg: RunConfig, gguf_files: list[tuple[str, Path]], out_dir: Path) -> Sm
     out_dir = Path(out_dir)
     prompts = load_prompts(cfg)
     results = []
-    with memory.track("smoke", out_dir) as meter:
+    with memory.track("smoke", out_dir, gpu=False) as meter:  # llama.cpp: its own process, NVML figures in extra
         for quant, path in gguf_files:
             results.append(smoke_file(cfg.smoke, quant, Path(path), prompts))
             r = results[-1]

@@ -23,6 +23,7 @@ import argparse
 import collections
 import json
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -203,6 +204,7 @@ def run(cfg: RunConfig, out_dir: Path, *, inject_oom_at: int | None = None) -> T
                 break
             except torch.OutOfMemoryError as e:
                 report = postmortem(e, attempt_cfg, trainer, model, collator, out_dir / f"oom-postmortem-{len(recoveries) + 1}.json")
+                release(trainer)
                 del trainer, model
                 memory.free_gpu()
                 b = attempt_cfg.training.per_device_train_batch_size
@@ -232,14 +234,19 @@ def run(cfg: RunConfig, out_dir: Path, *, inject_oom_at: int | None = None) -> T
                     ) from e
                 raise
         wall = time.perf_counter() - t0
-        trainer.offload = None  # its pinned host copies
+        release(trainer)
+        if trainer.is_world_process_zero():  # DDP: rank 0 writes the adapter and the results
+            model.save_pretrained(out_dir / "adapter", safe_serialization=True)
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        # Trainer and model hold each other through cycles (callbacks, hooks, Liger's bound forward):
+        # collected here, inside the stage, or the next stage would start with this model still allocated.
+        del model
         memory.free_gpu()
-        if not trainer.is_world_process_zero():  # DDP: rank 0 writes the adapter and the results
-            return None
-        model.save_pretrained(out_dir / "adapter", safe_serialization=True)
         meter.extra["steps_this_process"] = trainer.state.global_step - (_step_of(resume) if resume else 0)
         meter.extra["oom_recoveries"] = recoveries
         meter.extra["fit"] = memory.jsonable(fit)
+    if not trainer.is_world_process_zero():
+        return None
     losses = [e for e in trainer.state.log_history if "loss" in e]
     tokens = collator.tokens(trainer.micro_batches) * trainer.args.world_size  # each DDP rank trains its own share
     result = TrainResult(
@@ -249,7 +256,7 @@ def run(cfg: RunConfig, out_dir: Path, *, inject_oom_at: int | None = None) -> T
         final_loss=losses[-1]["loss"] if losses else float("nan"),
         train_tokens=tokens,
         tokens_per_s=round(tokens / wall, 1) if wall > 0 else 0.0,
-        trainable_params=sum(p.numel() for p in model.parameters() if p.requires_grad),
+        trainable_params=trainable,
         resumed_from=str(resume) if resume else None,
         loss_png=plot_loss(losses, out_dir),
         memory=meter.report,
@@ -642,12 +649,18 @@ def make_trainer(cfg: RunConfig, model, train_rows: list[dict], collator: Collat
         # its own GPU; several GPUs are `launcher: accelerate` (DDP).
         args._n_gpu = 1
 
+    offload = offload_activations(cfg)
+
     class OffloadingTrainer(Trainer):
         """The forward runs with saved activations offloaded to pinned CPU memory (when on), and
         the micro-batches trained on are counted (tokens/s, the OOM post-mortem's batch)."""
 
-        offload = OffloadActivations(model) if offload_activations(cfg) else None
-        micro_batches = 0  # trained on in this process (an epoch's last step can have fewer than the accumulation)
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            # self.model, not the enclosing `model`: a closure would keep the model alive as long as
+            # this class, i.e. as long as the trainer, after release() has dropped every other reference
+            self.offload = OffloadActivations(self.model) if offload else None
+            self.micro_batches = 0  # trained on in this process (an epoch's last step can have fewer than the accumulation)
 
         def training_step(self, *args, **kwargs):
             self.micro_batches += 1
@@ -665,6 +678,38 @@ def make_trainer(cfg: RunConfig, model, train_rows: list[dict], collator: Collat
         data_collator=collator,
         callbacks=[MemoryCallback(out_dir / "memory_steps.jsonl"), *(callbacks or [])],
     )
+
+
+def release(trainer) -> None:
+    """Drop every reference a Trainer (finished or failed) holds to the model, its optimizer
+    states and the offloaded activations, so that freeing the model returns all its memory.
+    Keeps what the results need (state, args, the micro-batch count)."""
+    if trainer.model is not None:
+        forget_optimizer_overrides(trainer.model)
+    if trainer.offload is not None:
+        trainer.offload.reset()
+        trainer.offload = None
+    trainer.accelerator.free_memory()  # accelerate's lists of prepared models, optimizers and dataloaders
+    trainer.model = trainer.model_wrapped = trainer.optimizer = trainer.lr_scheduler = None
+    handler = trainer.callback_handler
+    handler.model = handler.optimizer = handler.lr_scheduler = handler.train_dataloader = handler.eval_dataloader = None
+
+
+def forget_optimizer_overrides(model) -> None:
+    """Unregister the model's modules from bitsandbytes' process-wide GlobalOptimManager.
+
+    With an 8-bit bitsandbytes optimizer the HF Trainer registers every nn.Embedding there for
+    32-bit states, and nothing ever unregisters it: the table outlived its model, one more per
+    build in a process (measured: +445 MiB per build of a tied Qwen2.5-1.5B; the probe's table
+    was still allocated during training). A table in host memory (HostEmbedding) is no
+    nn.Embedding, so only tied models, whose table stays on the GPU, leaked by default.
+    """
+    bnb_optim = sys.modules.get("bitsandbytes.optim")
+    if bnb_optim is None:  # never imported: nothing registered
+        return
+    manager = bnb_optim.GlobalOptimManager.get_instance()
+    mine = {id(m) for m in model.modules()}
+    manager.module_weight_config_triple = [t for t in manager.module_weight_config_triple if id(t[0]) not in mine]
 
 
 class MemoryCallback(TrainerCallback):
