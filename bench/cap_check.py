@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -29,6 +30,8 @@ ROWS = [
 ]
 FACTORS = (1.03, 0.97)
 # --at-estimate: the probe capped at the preflight estimate itself and at 0.97 x it (shape, quant, seq, micro-batch)
+FACTORS_AT_ESTIMATE = [float(x) for x in os.environ.get("CAP_FACTORS", "1.0 0.97").split()]
+ONLY = os.environ.get("CAP_ROWS")  # e.g. "1 2 4": indices into AT_ESTIMATE
 AT_ESTIMATE = [
     ("smollm2-360m", "bf16", 16384, 1),
     ("smollm2-360m", "bf16", 4096, 2),
@@ -53,14 +56,16 @@ def main() -> None:
     if a.at_estimate:
         import json as _json
 
-        for shape, quant, seq, mb in AT_ESTIMATE:
+        for n, (shape, quant, seq, mb) in enumerate(AT_ESTIMATE):
+            if ONLY and str(n) not in ONLY.split():
+                continue
             model_dir = make_checkpoint(shape, Path("/tmp/bench-models"))
             cfg = run_config(model_dir, quant, 64, ["q_proj", "v_proj", "o_proj"], seq, mb)
             shapes = preflight.Shapes.from_config(_json.loads((model_dir / "config.json").read_text()))
             est = preflight.estimate(cfg, shapes, seq, on_gpu=True).total_gib
             model = train.build_model(cfg)
             train.tile_mlp(model, on=train.tiled_mlp(cfg))
-            for f in (1.0, 0.97):
+            for f in FACTORS_AT_ESTIMATE:
                 t0 = time.perf_counter()
                 p = preflight.probe(cfg, seq, est * f, Path("/tmp/cap-probe"), model=model)
                 row = {"shape": shape, "quant": quant, "seq": seq, "micro_batch": mb, "estimate_gib": est, "cap_gib": round(est * f, 3),
