@@ -50,8 +50,8 @@ def test_bad_dataset_stops_before_training(tmp_path, capsys, prefect_harness, li
 
 def test_preflight_refuses_a_run_that_does_not_fit(tmp_path, capsys, prefect_harness):
     write_config(tmp_path)
-    code, err = run_cli(tmp_path, capsys, "--set", "preflight.gpu_memory_gib=0.04")
-    assert code == 2 and "PreflightError" in err and "exceeds" in err and "smallest change that fits" in err
+    code, err = run_cli(tmp_path, capsys, "--set", "preflight.gpu_memory_gib=0.02")
+    assert code == 2 and "PreflightError" in err and "the estimated peak" in err and "smallest change that fits" in err
 
 
 def test_a_native_crash_in_the_flow_process_names_the_python_line():

@@ -44,8 +44,25 @@ def test_weights_and_adapters_match_hand_arithmetic():
     assert items(est, "activations kept") == 2 * 10 * 8 * 2
     nf4 = preflight.estimate(cfg(quantization={"load_in_4bit": True}), s, seq=10, on_gpu=True)
     assert items(nf4, "base weights") == pytest.approx(1152 * preflight.NF4_BYTES[True] + 1640 * 2)
+    # bitsandbytes keeps 32-bit states for tensors under 4096 elements: the toy's adapters stay at 8 bytes
     paged = preflight.estimate(cfg(training={"optim": "paged_adamw_8bit"}), s, seq=10, on_gpu=True)
-    assert items(paged, "LoRA") == 112 * 10
+    assert items(paged, "LoRA") == 112 * 16
+
+
+def test_optimizer_states_are_counted_where_bitsandbytes_puts_them():
+    """R7 r=64 q/v/o: every adapter matrix has >= 1e5 elements, so the paged 8-bit states sit in
+    CUDA managed memory (outside torch's allocator, evictable); unpaged 8-bit: 2 bytes + absmax."""
+    s = preflight.Shapes.from_config(QWEN7B)
+    qvo = {"r": 64, "target_modules": ["q_proj", "v_proj", "o_proj"]}
+    params = 28 * 64 * ((3584 + 3584) + (3584 + 512) + (3584 + 3584))
+    paged = preflight.estimate(cfg(lora=qvo, training={"optim": "paged_adamw_8bit"}), s, 1024, True)
+    small = 28 * 512 * 64  # v_proj's lora_B (512 x 64) is under 1e5 elements: its 8-bit states stay in torch's memory
+    assert items(paged, "LoRA") == pytest.approx(params * 8 + small * (2 + 8 / 256))
+    assert "GiB more states paged outside torch" in next(k for k in paged.items_gib if k.startswith("LoRA"))
+    unpaged = preflight.estimate(cfg(lora=qvo, training={"optim": "adamw_8bit"}), s, 1024, True)
+    assert items(unpaged, "LoRA") == pytest.approx(params * (8 + 2 + 8 / 256))
+    torch_adamw = preflight.estimate(cfg(lora=qvo, training={"optim": "adamw_torch"}), s, 1024, True)
+    assert items(torch_adamw, "LoRA") == params * 16
 
 
 def test_gpu_defaults_are_modelled():
@@ -54,14 +71,37 @@ def test_gpu_defaults_are_modelled():
     auto = {"offload_activations": "auto", "offload_embeddings": "auto", "tiled_mlp": "auto", "optim": "auto"}
     est = preflight.estimate(cfg(training=auto), s, seq=10, on_gpu=True)
     assert items(est, "base weights") == (1152 + 1640 - 100 * 8) * 2  # minus the 100 x 8 input embedding
-    assert items(est, "LoRA") == 112 * 10
+    assert items(est, "LoRA") == 112 * 16  # 8-bit AdamW, but 32-bit states below 4096 elements
+    tied = preflight.Shapes.from_config(TOY | {"tie_word_embeddings": True})
+    # a table tied to lm_head stays on the GPU, once
+    assert items(preflight.estimate(cfg(training=auto), tied, seq=10, on_gpu=True), "base weights") == (1152 + 100 * 8 + 5 * 8) * 2
     # 2 layers' inputs at most stay on the GPU (in use, prefetched) instead of all 28 of a 7B
     r7 = preflight.Shapes.from_config(QWEN7B)
     on = items(preflight.estimate(cfg(training=auto), r7, seq=4096, on_gpu=True), "activations kept")
     off = items(preflight.estimate(cfg(), r7, seq=4096, on_gpu=True), "activations kept")
     assert on == 2 * 4096 * 3584 * 2 and off == 28 * 4096 * 3584 * 2
     cpu = preflight.estimate(cfg(training=auto), s, seq=10, on_gpu=False)
-    assert items(cpu, "base weights") == (1152 + 1640) * 4 and items(cpu, "LoRA") == 112 * 16  # nothing offloaded on CPU
+    # bfloat16 as configured, nothing offloaded on CPU, no allocator or cuBLAS figures
+    assert items(cpu, "base weights") == (1152 + 1640) * 2 and items(cpu, "LoRA") == 112 * 16
+    assert items(cpu, "allocator") == 0 and items(cpu, "cuBLAS") == 0
+    # `auto` dtype: bf16 when estimating for a GPU even from a CPU-only laptop, fp32 for a CPU run
+    auto_dtype = cfg(training=auto).model_copy(update={"model": cfg().model.model_copy(update={"torch_dtype": "auto"})})
+    assert items(preflight.estimate(auto_dtype, s, 10, on_gpu=True), "base weights") == (1152 + 1640 - 800) * 2
+    assert items(preflight.estimate(auto_dtype, s, 10, on_gpu=False), "base weights") == (1152 + 1640) * 4
+
+
+def test_the_tiled_mlp_stops_the_intermediate_activations_growing_with_context():
+    s = preflight.Shapes.from_config(QWEN7B)
+    auto = {"tiled_mlp": "auto", "optim": "auto", "offload_activations": "auto", "offload_embeddings": "auto", "cross_entropy": "chunked"}
+
+    def peak(seq: int) -> float:
+        c = cfg(training=auto, data={"train_file": "x", "max_length": seq})
+        return items(preflight.estimate(c, s, seq, on_gpu=True), "peak moment")
+
+    # untiled below 32k tokens per micro-batch: x2 tokens, x2 the layer's working set; tiled above: grows with
+    # the hidden-sized tensors only, so 64k costs far less than twice 32k's untiled equivalent would
+    assert peak(16384) == pytest.approx(2 * peak(8192), rel=0.02)
+    assert peak(65536) < 2.1 * peak(32768) and peak(32768) < 1.5 * peak(16384)
 
 
 def test_r7_weights_match_the_anchor_measurements():
@@ -120,6 +160,37 @@ def test_fixes_are_ranked_by_saving_and_the_least_invasive_fitting_one_is_chosen
     assert preflight.smallest_fix(tight)["overrides"] == ["quantization.load_in_4bit=true"]
 
 
+def test_a_fix_that_changes_nothing_is_never_offered():
+    """optim: auto already resolves to paged 8-bit AdamW on a GPU (fit: memory), cross_entropy: auto to chunked."""
+    s = preflight.Shapes.from_config(QWEN7B)
+    auto = cfg(training={"optim": "auto", "cross_entropy": "auto", "per_device_train_batch_size": 2}, lora={"r": 64})
+    scan = preflight.LengthScan(100, 800, 1000, 1024, 4096, "x:1", [], [], 2 * 4096)
+    changes = [x["change"] for x in preflight.suggest(auto, s, scan, usable=5.0, on_gpu=True)]
+    assert changes and not any("optim" in c or "cross_entropy" in c for c in changes), changes
+    assert all(x["saving_gib"] > 0 for x in preflight.suggest(auto, s, scan, usable=5.0, on_gpu=True))
+    # where the setting is not already that, it is offered
+    torch_adamw = cfg(training={"optim": "adamw_torch", "cross_entropy": "plain", "per_device_train_batch_size": 2}, lora={"r": 64})
+    changes = [x["change"] for x in preflight.suggest(torch_adamw, s, scan, usable=5.0, on_gpu=True)]
+    assert 'training.optim="paged_adamw_8bit"' in changes and 'training.cross_entropy="chunked"' in changes
+
+
+def test_the_report_leads_with_the_verdict_and_what_decided_it(tmp_path):
+    c = load_config(write_config(tmp_path))
+    ok = preflight.run(c, tmp_path / "ok")
+    first = (tmp_path / "ok" / "preflight.md").read_text().splitlines()[0]
+    assert first.startswith("## Preflight: FITS, estimated: ") and "no CUDA device here to measure on" in first
+    est = preflight.estimate(c, preflight.Shapes.from_config(TOY), 22, on_gpu=False)
+    lengths = ok.lengths
+    probed = preflight.PreflightResult(True, "NVIDIA H200", 24.0, 21.15, est, lengths, [], tmp_path / "x.md",
+                                       probe=preflight.ProbeResult(True, 9.25, 8.61, 21.15, [4096, 4095]))
+    line = preflight.headline(probed, c)
+    assert line.startswith("Preflight: FITS, measured: two real optimizer steps") and "8.61 GiB allocated / 9.25 GiB reserved" in line
+    assert "21.15 GiB cap" in line and line.index("measured") < line.index("estimate")
+    oom = preflight.PreflightResult(False, "NVIDIA H200", 24.0, 21.15, est, lengths, [], tmp_path / "x.md",
+                                    probe=preflight.ProbeResult(False, 21.1, 20.9, 21.15, [4096, 4095], error="CUDA out of memory"))
+    assert preflight.headline(oom, c).startswith("Preflight: DOES NOT FIT, measured: two real optimizer steps on the worst micro-batch ran out")
+
+
 def test_scan_reports_percentiles_and_worst_batch(tmp_path):
     c = load_config(write_config(tmp_path))
     scan = preflight.scan_lengths(c)
@@ -130,10 +201,10 @@ def test_scan_reports_percentiles_and_worst_batch(tmp_path):
 def test_run_writes_report_and_refuses_with_the_fix(tmp_path):
     c = load_config(write_config(tmp_path))
     ok = preflight.run(c, tmp_path / "ok")
-    assert ok.fits and (tmp_path / "ok" / "preflight.md").read_text().startswith("## Preflight: FITS")
+    assert ok.fits and (tmp_path / "ok" / "preflight.md").read_text().startswith("## Preflight: FITS, estimated")
     assert json.loads((tmp_path / "ok" / "preflight.json").read_text())["lengths"]["max"] == 22
     with pytest.raises(preflight.PreflightError, match=r"(?s)smallest change that fits: .*--set training.per_device_train_batch_size=16"):
-        preflight.run(c, tmp_path / "tight", gpu_memory_gib=0.04)
+        preflight.run(c, tmp_path / "tight", gpu_memory_gib=0.02)
 
 
 def test_budget_below_the_weights_alone_says_so_in_one_line(tmp_path):
