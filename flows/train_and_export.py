@@ -159,16 +159,13 @@ def train_and_export(config: str = "configs/default.yaml", overrides: list[str] 
 
 
 def summarize(paths: RunPaths, reports: dict, ho, tr, sm) -> str:
-    rows = ["| stage | wall s | peak GiB | where |", "|---|---|---|---|"]
-    for name, r in reports.items():
-        wall, peak = ("skipped", "-") if r is None else (f"{r.wall_s:.1f}", f"{r.peak_gib:.2f}")
-        rows.append(f"| {name} | {wall} | {peak} | {paths.stage(name)} |")
     accuracy = ", ".join(f"{f.quant} {f.accuracy:.0%}" for f in sm.files)
     return "\n".join([
         f"### train-and-export run {paths.run_id}",
         "",
-        *rows,
+        *memory.markdown_table(reports),
         "",
+        f"Each stage's files (memory.json among them): `{paths.root}/<stage>/`.",
         f"Loss {tr.first_loss:.3f} -> {tr.final_loss:.3f} over {tr.steps} steps. Smoke: {accuracy}.",
         f"Bundle: `{ho.bundle_dir}` (verify: `cd {ho.bundle_dir} && sha256sum -c SHA256SUMS`)",
     ])

@@ -218,8 +218,24 @@ class track:
         (self.stage_dir / "memory.json").write_text(json.dumps(r.to_json(), indent=2))
 
 
-def format_row(r: MemoryReport) -> str:
-    held = f" (of which {r.start_reserved_gib:.2f} held at its start)" if r.start_reserved_gib else ""
-    gpu = f", peak reserved {r.peak_reserved_gib:.2f} GiB{held}" if r.peak_reserved_gib is not None else ""
-    child = f", child {r.child_peak_rss_gib:.2f} GiB" if r.child_peak_rss_gib else ""
-    return f"{r.stage}: {r.wall_s:.1f} s, peak RSS {r.peak_rss_gib:.2f} GiB{child}{gpu}"
+def markdown_table(reports: dict[str, dict | MemoryReport | None]) -> list[str]:
+    """Each stage's own figures as Markdown rows, for the run summary and the model card (one layout).
+
+    GPU: torch's peak reserved and allocated since the stage began, and what it found already
+    held (an earlier stage's, normally 0.06 GiB of cuBLAS workspaces); host: its peak RSS and
+    its child processes' (the converter, llama.cpp). A stage that does not use torch on the
+    GPU shows "-" there, not what the process happened to hold.
+    """
+    def gib(v) -> str:
+        return "-" if v is None else f"{v:.2f}"
+
+    rows = ["| stage | wall s | GPU peak reserved GiB | GPU peak allocated GiB | GPU held at start GiB | host peak RSS GiB | child peak RSS GiB |",
+            "|---|---|---|---|---|---|---|"]
+    for name, r in reports.items():
+        if r is None:
+            rows.append(f"| {name} | skipped | - | - | - | - | - |")
+            continue
+        d = r.to_json() if isinstance(r, MemoryReport) else r
+        rows.append(f"| {name} | {d['wall_s']:.1f} | {gib(d.get('peak_reserved_gib'))} | {gib(d.get('peak_alloc_gib'))} | "
+                    f"{gib(d.get('start_reserved_gib'))} | {gib(d.get('peak_rss_gib'))} | {gib(d.get('child_peak_rss_gib'))} |")
+    return rows

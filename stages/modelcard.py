@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from jinja2.exceptions import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from stages.memory import markdown_table
+
 S, U, A, V = "\x00SYSTEM\x00", "\x00USER\x00", "\x00ASSISTANT\x00", "\x00USER2\x00"
 
 
@@ -134,8 +136,7 @@ def readme(manifest: dict, modelfile_has_template: bool) -> str:
         rows.append(f"| `{f['file']}` | {f['quant']} | {f['bytes'] / 2**20:.1f} | {d.get('mean_kl', '-')} | "
                     f"{d.get('top1_agreement', '-')} | {s.get('accuracy', '-')} | `{f['sha256'][:16]}…` |")
     mem = manifest.get("memory_peaks", {})
-    mem_rows = ["| stage | wall s | peak GiB |", "|---|---|---|"] + [
-        f"| {k} | {v.get('wall_s', '-'):.1f} | {v.get('peak_gib', 0):.2f} |" for k, v in mem.items() if v]
+    mem_rows = markdown_table(mem)
     first = files[0]["file"]
     base = manifest["base_model"]
     train = manifest.get("train", {})
