@@ -13,7 +13,7 @@ Deployments (all served by this one process; each flow run is a subprocess):
                                      data fingerprint differs from the last published bundle's
 
 One GPU job at a time: the GPU stages hold a slot of the global concurrency limit `gpu`
-(one slot per host: TAE_GPU_SLOTS to change), created here.
+(one slot per host: TAE_GPU_SLOTS to change), set here (flows.gpu_slot).
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ from prefect.deployments import run_deployment
 from prefect.events import DeploymentEventTrigger, emit_event
 from prefect.events.worker import EventsWorker
 
-from flows.train_and_export import GPU_LIMIT, data_fingerprint, train_and_export
+from flows.gpu_slot import ensure_gpu_limit
+from flows.train_and_export import data_fingerprint, train_and_export
 from stages.config import RunConfig, load_config
 
 PIPELINE = "train-and-export/default"
@@ -73,25 +74,6 @@ def _runs_tagged(tag: str) -> list:
 
     with get_client(sync_client=True) as client:
         return client.read_flow_runs(flow_run_filter=FlowRunFilter(tags=FlowRunFilterTags(all_=[tag])))
-
-
-def ensure_gpu_limit(slots: int | None = None) -> int:
-    """Create (or resize) the `gpu` global concurrency limit."""
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate, GlobalConcurrencyLimitUpdate
-    from prefect.exceptions import ObjectAlreadyExists
-
-    if slots is None:
-        # One slot per host: a run's stages use the host's GPU (cuda:0, or every GPU under
-        # launcher: accelerate). More slots only make sense with one serve process per GPU,
-        # each pinned by CUDA_VISIBLE_DEVICES and given its own TAE_GPU_LIMIT name.
-        slots = int(os.environ.get("TAE_GPU_SLOTS", "1"))
-    with get_client(sync_client=True) as client:
-        try:
-            client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=GPU_LIMIT, limit=slots))
-        except ObjectAlreadyExists:
-            client.update_global_concurrency_limit(GPU_LIMIT, GlobalConcurrencyLimitUpdate(limit=slots))
-    return slots
 
 
 def deployments(config: str, cron: str):

@@ -22,9 +22,9 @@ from pathlib import Path
 from prefect import flow, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import INPUTS, TASK_SOURCE
-from prefect.concurrency.sync import concurrency
 from prefect.runtime import flow_run
 
+from flows.gpu_slot import gpu_slot
 from stages import data, export, fidelity, handoff, llamacpp, memory, merge, preflight, smoke, train
 from stages.config import ConfigError, load_config
 from stages.memory import MemoryReport
@@ -57,7 +57,6 @@ def publish_memory_timeline(steps_file, png) -> None:
     create_table_artifact(rows[::every], key="memory-steps-train", description=f"Memory per optimizer step (every {every}); plot: {png}")
 
 
-GPU_LIMIT = os.environ.get("TAE_GPU_LIMIT", "gpu")  # a Prefect global concurrency limit (flows.deploy creates it)
 TRANSIENT = (ConnectionError, TimeoutError, BrokenPipeError)
 
 
@@ -79,8 +78,8 @@ def retry_transient(task, task_run, state) -> bool:
 
 
 def stage(name: str, fn, *, gpu: bool):
-    """A task that runs one stage function (holding a `gpu` slot if it uses the GPU) and
-    publishes its memory artifact.
+    """A task that runs one stage function (holding the host's GPU, flows.gpu_slot, if it uses it)
+    and publishes its memory artifact.
 
     Results are persisted and cached by the task's inputs and source: inputs include the
     run's stage directory, so re-running a failed flow run (Prefect's Retry, or the CLI's
@@ -90,11 +89,11 @@ def stage(name: str, fn, *, gpu: bool):
     def body(*args, **kwargs):
         if os.environ.get("TAE_FAIL_STAGE") == name:  # test hook: a crash at the start of this stage
             raise RuntimeError(f"injected failure at the start of {name} (TAE_FAIL_STAGE)")
-        with concurrency(GPU_LIMIT, occupy=1) if gpu else contextlib.nullcontext():
+        with gpu_slot(f"stage {name} of flow run {flow_run.id or 'local'}") if gpu else contextlib.nullcontext() as how:
             start = time.time()
             result = fn(*args, **kwargs)
             if gpu:  # when the slot was held, for the record (and the one-GPU-job-at-a-time test)
-                slot = {"stage": name, "acquired": start, "released": time.time(), "flow_run_id": str(flow_run.id)}
+                slot = {"stage": name, "acquired": start, "released": time.time(), "flow_run_id": str(flow_run.id), "by": how}
                 (Path(args[-1]) / "gpu_slot.json").write_text(json.dumps(slot))
         publish_memory(name, result.memory)
         return result

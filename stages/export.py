@@ -114,13 +114,23 @@ def run(cfg: RunConfig, merged_dir: Path, out_dir: Path) -> ExportResult:
     return result
 
 
+# transformers 5 writes rope_type "default" for plain RoPE; the converter knows only the scaled types by name,
+# warns, and writes plain RoPE (rope_theta as the frequency base), which is what "default" means.
+CONVERTER_HARMLESS = ("Unknown RoPE type: default",)
+
+
 def convert(meter: memory.track, converter: Path, merged_dir: Path, dst: Path, outtype: str) -> None:
     """convert_hf_to_gguf.py in a subprocess (its peak RSS is measured as the stage's child)."""
     tmp = dst.with_suffix(".gguf.partial")
     cmd = [sys.executable, str(converter / "convert_hf_to_gguf.py"), str(merged_dir), "--outfile", str(tmp), "--outtype", outtype]
     proc = meter.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    print(proc.stdout)
+    log = dst.with_suffix(".convert.log")  # a line per tensor: the file keeps it, the run's log gets what matters
+    log.write_text(proc.stdout or "")
+    notable = [line for line in (proc.stdout or "").splitlines()
+               if ("WARNING" in line or "ERROR" in line) and not any(h in line for h in CONVERTER_HARMLESS)]
+    print(f"export: {merged_dir.name} -> {dst.name} (converter log: {log})", *notable, sep="\n")
     if proc.returncode != 0 or not tmp.is_file():
+        print(*(proc.stdout or "").splitlines()[-40:], sep="\n")
         tmp.unlink(missing_ok=True)
         unsupported = re.search(r"Model (\S+) is not supported", proc.stdout or "")
         if unsupported:
@@ -129,7 +139,8 @@ def convert(meter: memory.track, converter: Path, merged_dir: Path, dst: Path, o
                 f"{unsupported.group(1)} of {merged_dir}; nothing was exported. Use a base model of a supported family "
                 "(Llama, Qwen2, Mistral, Gemma, Phi, ...) or a llama-cpp-python release whose converter lists it"
             )
-        raise RuntimeError(f"convert_hf_to_gguf.py failed (exit {proc.returncode}) on {merged_dir}; its output is above")
+        raise RuntimeError(f"convert_hf_to_gguf.py failed (exit {proc.returncode}) on {merged_dir}; the end of its output is above, "
+                           f"all of it in {log}")
     tmp.rename(dst)
 
 

@@ -1,0 +1,93 @@
+"""One GPU job per host, whichever way a run starts.
+
+With a Prefect server (PREFECT_API_URL: `prefect deployment run`, `flows.deploy serve`) the GPU
+stages hold a slot of the global concurrency limit `gpu`, created on first use when missing.
+Without one, each `python -m flows.train_and_export` starts its own temporary local API, which
+cannot see another run's slots: the stages then hold an exclusive lock on a file every process
+on the host opens (TAE_GPU_LOCK, default <tmp>/train-and-export-gpu.lock). The log says which.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+GPU_LIMIT = os.environ.get("TAE_GPU_LIMIT", "gpu")  # a Prefect global concurrency limit
+
+
+def lock_path() -> Path:
+    return Path(os.environ.get("TAE_GPU_LOCK") or Path(tempfile.gettempdir()) / "train-and-export-gpu.lock")
+
+
+def ensure_gpu_limit(slots: int | None = None, *, resize: bool = True) -> int:
+    """Create the `gpu` global concurrency limit (or, resize=True, set its slots); returns its slots.
+
+    One slot per host by default: a run's stages use the host's GPU (cuda:0, or every GPU under
+    launcher: accelerate). More slots only make sense with one serve process per GPU, each
+    pinned by CUDA_VISIBLE_DEVICES and given its own TAE_GPU_LIMIT name.
+    """
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate, GlobalConcurrencyLimitUpdate
+    from prefect.exceptions import ObjectAlreadyExists
+
+    slots = slots or int(os.environ.get("TAE_GPU_SLOTS", "1"))
+    with get_client(sync_client=True) as client:
+        try:
+            client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=GPU_LIMIT, limit=slots))
+        except ObjectAlreadyExists:
+            if not resize:  # someone (flows.deploy, an admin) set it: theirs stands
+                return client.read_global_concurrency_limit_by_name(GPU_LIMIT).limit
+            client.update_global_concurrency_limit(GPU_LIMIT, GlobalConcurrencyLimitUpdate(limit=slots))
+    return slots
+
+
+def _print(msg: str) -> None:
+    print(msg)  # looked up when called: inside a task, Prefect's log_prints has replaced print by then
+
+
+@contextlib.contextmanager
+def host_lock(path: Path, holder: str, log=None) -> Iterator[None]:
+    """An exclusive flock on `path`, waited for; the holder's description is written into the file."""
+    log = log or _print
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    with contextlib.suppress(OSError):  # another user's runs must be able to open it too
+        os.fchmod(fd, 0o666)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log(f"gpu: waiting for the host lock {path}, held by {os.pread(fd, 4096, 0).decode(errors='replace').strip() or 'another run'}")
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps({"pid": os.getpid(), "holder": holder, "since": time.strftime("%Y-%m-%d %H:%M:%S")}).encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # closing releases the lock; so does the process dying, however it dies
+
+
+@contextlib.contextmanager
+def gpu_slot(holder: str, log=None) -> Iterator[str]:
+    """Hold the host's GPU for one stage; yields "prefect" or "host-lock", whichever kept runs apart."""
+    log = log or _print
+    from prefect.settings import PREFECT_API_URL
+
+    url = PREFECT_API_URL.value()
+    if url:
+        from prefect.concurrency.sync import concurrency
+
+        slots = ensure_gpu_limit(resize=False)
+        with concurrency(GPU_LIMIT, occupy=1, strict=True):
+            log(f"gpu: {holder} holds a slot of Prefect's global concurrency limit '{GPU_LIMIT}' ({slots} slot(s), {url})")
+            yield "prefect"
+    else:
+        path = lock_path()
+        with host_lock(path, holder, log):
+            log(f"gpu: {holder} holds the host lock {path} (no Prefect server: the temporary local API cannot see other runs' slots)")
+            yield "host-lock"

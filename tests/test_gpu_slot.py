@@ -1,0 +1,73 @@
+"""One GPU job per host for every way a run starts: Prefect's limit with a server, a host lock without."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import time
+
+from tests.conftest import REPO
+
+
+def test_without_a_server_runs_queue_on_a_host_lock(tmp_path, monkeypatch):
+    """Two `python -m flows.train_and_export` runs each start a temporary local API that cannot see the
+    other's slots: a file lock keeps their GPU stages apart, and the second says whom it waits for."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from flows import gpu_slot
+
+    lock = tmp_path / "gpu.lock"
+    monkeypatch.setenv("TAE_GPU_LOCK", str(lock))
+    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import time
+        from pathlib import Path
+        from flows.gpu_slot import host_lock
+        with host_lock(Path({str(lock)!r}), "stage train of run A"):
+            print("held", flush=True)
+            time.sleep(3)
+    """)], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    said = []
+    with temporary_settings(restore_defaults={PREFECT_API_URL}):
+        t0 = time.monotonic()
+        with gpu_slot.gpu_slot("stage preflight of run B", log=said.append) as how:
+            waited = time.monotonic() - t0  # the first run's stage held it for 3 s
+    holder.wait()
+    assert how == "host-lock" and waited > 1.5
+    assert any("waiting for the host lock" in s and "stage train of run A" in s for s in said), said
+    assert any("holds the host lock" in s and "no Prefect server" in s for s in said), said
+
+
+def test_a_crashed_holder_does_not_keep_the_gpu(tmp_path):
+    """flock is released by the kernel when its process dies, even by SIGKILL: no stale lock file to clean."""
+    from flows.gpu_slot import host_lock
+
+    lock = tmp_path / "gpu.lock"
+    holder = subprocess.Popen([sys.executable, "-c", f"from pathlib import Path\nfrom flows.gpu_slot import host_lock\n"
+                               f"import time\nwith host_lock(Path({str(lock)!r}), 'x'):\n    print('held', flush=True)\n    time.sleep(60)"],
+                              cwd=REPO, stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    holder.kill()
+    holder.wait()
+    t0 = time.monotonic()
+    with host_lock(lock, "y"):
+        assert time.monotonic() - t0 < 2
+
+
+def test_with_a_server_the_limit_is_created_on_first_use(prefect_harness):
+    from prefect.client.orchestration import get_client
+
+    from flows import gpu_slot
+
+    said = []
+    with gpu_slot.gpu_slot("stage train of run C", log=said.append) as how:
+        pass
+    with get_client(sync_client=True) as client:
+        limit = client.read_global_concurrency_limit_by_name(gpu_slot.GPU_LIMIT)
+    assert how == "prefect" and limit.limit == 1
+    assert any("global concurrency limit 'gpu'" in s for s in said), said
+    # a limit someone sized stands
+    gpu_slot.ensure_gpu_limit(3)
+    assert gpu_slot.ensure_gpu_limit(resize=False) == 3
+    gpu_slot.ensure_gpu_limit(1)
