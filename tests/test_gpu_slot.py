@@ -71,3 +71,25 @@ def test_with_a_server_the_limit_is_created_on_first_use(prefect_harness):
     gpu_slot.ensure_gpu_limit(3)
     assert gpu_slot.ensure_gpu_limit(resize=False) == 3
     gpu_slot.ensure_gpu_limit(1)
+
+
+def test_a_healthy_offline_run_logs_no_warning_or_error_and_says_how_it_holds_the_gpu(tmp_path):
+    """`python -m flows.train_and_export` as users start it: no Prefect server, no internet. Nothing the
+    project can prevent shows as WARNING or ERROR (Prefect's telemetry heartbeat was an ERROR with a
+    traceback; bitsandbytes' CPU kernel notice and the converter's rope-type notice were WARNINGs), and
+    each GPU stage says it holds the host lock."""
+    import os
+
+    from tests.conftest import write_config
+
+    cfg = write_config(tmp_path, training={"max_steps": 10, "save_steps": 5}, smoke={"min_accuracy": 0.0, "max_prompts": 5})
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")} | {
+        "PREFECT_HOME": str(tmp_path / "prefect"), "TAE_GPU_LOCK": str(tmp_path / "gpu.lock"), "HF_HUB_OFFLINE": "1"}
+    p = subprocess.run([sys.executable, "-m", "flows.train_and_export", "--config", str(cfg), "--run-id", "quiet"],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out[-3000:]
+    noisy = [line for line in out.splitlines() if "WARNING" in line or "ERROR" in line or "Traceback" in line]
+    assert not noisy, noisy
+    held = [line for line in out.splitlines() if "holds the host lock" in line]
+    assert len(held) == 5 and all(str(tmp_path / "gpu.lock") in line for line in held), held
