@@ -6,17 +6,16 @@
    real tokenizer and chat template; applies `data.long_sample_policy`; finds the longest
    sample, because with dynamic padding the micro-batch that holds it is the worst step
    ("enough VRAM, yet OOM at step 400" is that batch arriving late).
-2. Estimates peak memory for that worst micro-batch, itemised: base weights by dtype
-   (NF4 for QLoRA, with the embeddings and lm_head bitsandbytes leaves in 16-bit), LoRA
-   weights + grads + optimizer states, activations with or without checkpointing, the
-   logits and cross-entropy buffer (vocab x tokens, often the largest single item), the
-   CUDA context and allocator overhead.
-3. Compares with the budget (`preflight.gpu_memory_gib`, default the device's memory; on
-   CPU the available RAM) minus `preflight.margin`, and when it does not fit, stops with
-   the reason and the single config changes that would make it fit, smallest first.
+2. Estimates peak memory for that worst micro-batch, itemised, for the settings the train
+   stage resolves (`estimate`): what a run capped at the result needs (its peak allocated
+   plus the allocator's slack), not what an uncapped run happens to reserve.
+3. On a CUDA device, probes it: two real optimizer steps on that micro-batch under a cap at
+   the budget; the measurement, where it ran, decides.
+4. Compares with the budget (`preflight.gpu_memory_gib`, default the device's memory; on
+   CPU the available RAM) less the CUDA context and `preflight.margin`; when it does not fit,
+   stops with the reason and the single config changes that would make it fit, smallest first.
 
-This is the first analytic model; constants marked CALIBRATE are to be fitted against
-measured peaks on a GPU (bench/).
+The coefficients are fitted to runs measured on an H200 (bench/fit_memory.py).
 """
 
 from __future__ import annotations

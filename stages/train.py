@@ -522,7 +522,9 @@ def use_liger(model, *, loss: bool, kernels: bool) -> None:
     """Liger Kernel on this model instance: the fused linear cross-entropy never materialises
     the vocab x tokens logits; RMSNorm, SwiGLU and RoPE kernels save activations and time.
 
-    Patched on the instance, not the class, so other models in the process stay stock.
+    The loss and the norm/MLP kernels are bound to this instance's modules; Liger also swaps
+    the RoPE function and the RMSNorm/MLP classes in the model's transformers module, so a
+    model of the same family built later in this process (merge) gets them too (same maths).
     """
     if not (loss or kernels):
         return
