@@ -25,10 +25,10 @@ from prefect.cache_policies import INPUTS, TASK_SOURCE
 from prefect.runtime import flow_run
 
 from flows.gpu_slot import gpu_slot
-from stages import data, export, fidelity, handoff, llamacpp, memory, merge, preflight, smoke, train
-from stages.config import ConfigError, load_config
+from stages import data, errors, export, handoff, llamacpp, memory, merge, preflight, smoke, train
+from stages.config import load_config
 from stages.memory import MemoryReport
-from stages.paths import RunPaths
+from stages.paths import RunPaths, new_run_id
 
 # A native crash (llama.cpp, a CUDA library) kills the flow process without a Python traceback:
 # this at least prints the Python stack it died in to the run's output.
@@ -36,9 +36,8 @@ if not faulthandler.is_enabled():  # pytest, PYTHONFAULTHANDLER or the user may 
     with contextlib.suppress(AttributeError, ValueError, OSError, RuntimeError):  # no usable stderr: go without
         faulthandler.enable(file=sys.__stderr__)
 
-# Problems in the user's inputs: one message, no traceback.
-USER_ERRORS = (ConfigError, data.DataError, preflight.PreflightError, smoke.SmokeError, FileNotFoundError, llamacpp.ConverterMismatch,
-               fidelity.FidelityError, llamacpp.UnsupportedArchitecture)
+# Problems in the user's inputs fail a task with one line in the run's log, not a traceback.
+errors.quiet_prefect_tracebacks()
 
 
 def publish_memory(stage: str, report: MemoryReport | None) -> None:
@@ -174,15 +173,19 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="Run the train-and-export pipeline once, locally.")
     ap.add_argument("--config", default="configs/default.yaml")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override, e.g. training.max_steps=50")
-    ap.add_argument("--run-id", help="name of the run directory (default: a timestamp)")
+    ap.add_argument("--run-id", help="name of the run directory (default: a new one, printed at the start)")
+    ap.add_argument("--debug", action="store_true", help=f"show the traceback of a user error too (or {errors.DEBUG_ENV}=1)")
     a = ap.parse_args(argv)
-    try:
+    if a.debug:
+        os.environ[errors.DEBUG_ENV] = "1"
+    run_id = a.run_id or new_run_id()  # chosen here, so that an interrupted run can be named for its resumption
+    resume = " ".join(["python -m flows.train_and_export", "--config", a.config, *(f"--set {s}" for s in a.set), "--run-id", run_id])
+
+    def go():
         load_config(a.config, a.set)  # a bad config fails here, before Prefect starts a server
-        train_and_export(config=a.config, overrides=a.set, run_id=a.run_id)
-    except USER_ERRORS as e:
-        print(f"\ntrain-and-export stopped: {type(e).__name__}: {e}", file=sys.stderr)
-        return 2
-    return 0
+        train_and_export(config=a.config, overrides=a.set, run_id=run_id)
+
+    return errors.run_cli(go, "train-and-export", resume=resume)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from stages.errors import UserError
+
 QUANT_FTYPES = {"Q4_K_M": 15, "Q5_K_S": 16, "Q5_K_M": 17, "Q6_K": 18, "Q8_0": 7, "Q4_K_S": 14}
 
 
@@ -34,7 +36,7 @@ ALIASES = {
 }
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A config that cannot run; the message lists every problem and its fix."""
 
 
@@ -338,7 +340,7 @@ def _check_inputs(cfg: RunConfig) -> list[str]:
     problems = []
     try:
         resolve_model_dir(cfg.model.name_or_path)
-    except FileNotFoundError as e:
+    except UserError as e:
         problems.append(f"model.name_or_path: {e}")
     for key in ("train_file", "eval_file"):
         f = getattr(cfg.data, key)

@@ -20,10 +20,12 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from stages.errors import UserError
+
 MAX_REPORTED = 20  # problems listed per file; the rest are counted
 
 
-class DataError(ValueError):
+class DataError(UserError, ValueError):
     """The dataset cannot be used as it is; the message says where and how to fix it."""
 
 

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from stages import data, fidelity, llamacpp, memory
 from stages.config import QUANT_FTYPES, RunConfig, load_config
+from stages.errors import MissingInput
 from stages.llamacpp_process import LlamaProcess
 from stages.memory import MemoryReport
 from stages.modelio import load_tokenizer
@@ -70,7 +71,7 @@ def run(cfg: RunConfig, merged_dir: Path, out_dir: Path) -> ExportResult:
         print(f"export: GGUF files already in {out_dir}; skipping")
         return _load(done)
     if not (merged_dir / "config.json").is_file():
-        raise FileNotFoundError(f"{merged_dir.resolve()} is not a model directory; point --merged at the merge stage's `model` directory")
+        raise MissingInput(f"{merged_dir.resolve()} is not a model directory; point --merged at the merge stage's `model` directory")
     converter = llamacpp.converter_dir()
     tokenizer = load_tokenizer(cfg.model)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -244,4 +245,8 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    from stages.errors import run_cli
+
+    sys.exit(run_cli(main, "export"))

@@ -18,6 +18,7 @@ import torch
 
 from stages import data, memory
 from stages.config import FidelitySection
+from stages.errors import UserError
 from stages.llamacpp_process import LlamaProcess
 
 # Full-vocabulary float32 log-probs are kept per position (152k vocab: 0.6 MB each), and
@@ -30,7 +31,7 @@ def held_out_ids(cfg, tokenizer, n: int, max_tokens: int = MAX_TOKENS) -> list[l
     return [tokenizer(t, add_special_tokens=False)["input_ids"][:max_tokens] for t in data.held_out_texts(cfg, tokenizer, n)]
 
 
-class FidelityError(RuntimeError):
+class FidelityError(UserError, RuntimeError):
     """A GGUF drifted further from the merged model than export.fidelity allows."""
 
 

@@ -13,6 +13,8 @@ import os
 from collections import Counter
 from pathlib import Path
 
+from stages.errors import UserError
+
 CACHE = Path(os.environ.get("TAE_CACHE_DIR", Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "train-and-export"))
 MAX_METADATA_STRING = 1 << 20  # a chat template or any string over 1 MiB in GGUF metadata is refused
 # llama-cpp-python silences fd 1 and 2 while it loads a model unless verbose: then a crash inside
@@ -20,11 +22,11 @@ MAX_METADATA_STRING = 1 << 20  # a chat template or any string over 1 MiB in GGU
 VERBOSE = os.environ.get("TAE_LLAMA_VERBOSE") == "1"
 
 
-class UnsupportedArchitecture(ValueError):
+class UnsupportedArchitecture(UserError, ValueError):
     """llama.cpp's converter has no mapping for the model's architecture."""
 
 
-class ConverterMismatch(RuntimeError):
+class ConverterMismatch(UserError, RuntimeError):
     """The converter on disk is not from the installed llama.cpp runtime's sdist."""
 
 
@@ -40,7 +42,7 @@ def converter_dir() -> Path:
     d = Path(os.environ.get("TAE_CONVERTER_DIR", CACHE / f"llama-cpp-converter-{version}"))
     script = d / "convert_hf_to_gguf.py"
     if not script.is_file():
-        raise FileNotFoundError(
+        raise ConverterMismatch(
             f"GGUF converter not found at {script}; run `bash scripts/install.sh` (it extracts it from the llama-cpp-python {version} sdist)"
         )
     found = (d / "VERSION").read_text().strip() if (d / "VERSION").is_file() else "unknown"

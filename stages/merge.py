@@ -26,6 +26,7 @@ from peft import PeftModel
 
 from stages import fidelity, memory
 from stages.config import RunConfig, load_config
+from stages.errors import MissingInput
 from stages.memory import MemoryReport
 from stages.modelio import load_base, load_tokenizer, resolve_model_dir
 
@@ -64,7 +65,7 @@ def run(cfg: RunConfig, adapter_dir: Path, out_dir: Path) -> MergeResult:
         return MergeResult(merged_dir, d["save_dtype"], d["max_abs_logit_diff"], None, skipped=True, base=d.get("base", "16bit"),
                            kl=d.get("kl", {}))
     if not (adapter_dir / "adapter_config.json").is_file():
-        raise FileNotFoundError(
+        raise MissingInput(
             f"{adapter_dir.resolve()} holds no adapter (adapter_config.json missing); point --adapter at the "
             "`adapter` directory written by the train stage (artifacts/runs/<run-id>/train/adapter)"
         )
@@ -164,4 +165,8 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    from stages.errors import run_cli
+
+    sys.exit(run_cli(main, "merge"))

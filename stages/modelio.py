@@ -12,7 +12,8 @@ from pathlib import Path
 
 import torch
 
-from stages.config import ModelSection, QuantizationSection
+from stages.config import ConfigError, ModelSection, QuantizationSection
+from stages.errors import ModelError
 
 # Read by torch at the first CUDA allocation, so set before any stage touches the GPU.
 # Variable-length batches under the default allocator reserved 97.5 GiB for 30 GiB
@@ -26,9 +27,9 @@ def resolve_model_dir(name_or_path: str) -> Path:
     p = Path(name_or_path).expanduser()
     if p.is_dir():
         if not (p / "config.json").is_file():
-            raise FileNotFoundError(f"{p.resolve()} has no config.json; point it at a Hugging Face model directory")
+            raise ModelError(f"{p.resolve()} has no config.json; point it at a Hugging Face model directory")
         if not any(p.glob("*.safetensors")):
-            raise FileNotFoundError(
+            raise ModelError(
                 f"{p.resolve()} has no *.safetensors weights (found: {sorted(x.name for x in p.iterdir())}); "
                 "only safetensors are loaded: convert the checkpoint with `save_pretrained(..., safe_serialization=True)`"
             )
@@ -40,7 +41,7 @@ def resolve_model_dir(name_or_path: str) -> Path:
             return Path(snapshot_download(name_or_path, local_files_only=True, allow_patterns=["*.json", "*.safetensors", "*.model", "*.jinja", "*.txt"]))
         except Exception:
             pass
-    raise FileNotFoundError(
+    raise ModelError(
         f"'{name_or_path}' is neither a local directory nor a model in the HF cache "
         f"({os.environ.get('HF_HUB_CACHE', '~/.cache/huggingface/hub')}); download it beforehand "
         f"(`hf download {name_or_path}`) or set model.name_or_path to a local directory"
@@ -78,7 +79,7 @@ def load_tokenizer(model: ModelSection):
         # Padding positions are masked out of attention and loss, so reusing EOS is safe.
         tok.pad_token = tok.eos_token
     if not tok.chat_template:
-        raise ValueError(
+        raise ModelError(
             f"the tokenizer of {model.name_or_path} has no chat template; add `chat_template` to its "
             "tokenizer_config.json (the exported GGUF and the serving team need it)"
         )
@@ -89,12 +90,12 @@ def _check_bitsandbytes() -> None:
     import importlib.util
 
     if importlib.util.find_spec("bitsandbytes") is None:
-        raise ValueError(
+        raise ConfigError(
             "quantization.load_in_4bit (QLoRA) needs bitsandbytes, which is not installed: `pip install bitsandbytes==0.50.2` "
             "(bash scripts/install.sh installs it), or set quantization.load_in_4bit: false"
         )
     if not torch.cuda.is_available() and torch.backends.mps.is_available():
-        raise ValueError("quantization.load_in_4bit: bitsandbytes NF4 runs on CUDA and CPU, not on Apple MPS; set it to false")
+        raise ConfigError("quantization.load_in_4bit: bitsandbytes NF4 runs on CUDA and CPU, not on Apple MPS; set it to false")
 
 
 def load_base(model: ModelSection, quant: QuantizationSection, *, quantized: bool | None = None):

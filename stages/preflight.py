@@ -28,6 +28,7 @@ from pathlib import Path
 
 from stages import data, memory
 from stages.config import RunConfig, load_config
+from stages.errors import UserError
 from stages.memory import GIB, MemoryReport
 from stages.modelio import compute_dtype, load_tokenizer, resolve_model_dir
 
@@ -59,7 +60,7 @@ COEF = dict(
 )
 
 
-class PreflightError(RuntimeError):
+class PreflightError(UserError, RuntimeError):
     """The run would not fit; the message says by how much and what to change."""
 
 
@@ -529,11 +530,12 @@ def main(argv: list[str] | None = None) -> None:
     cfg = load_config(a.config, a.set)
     from stages.paths import RunPaths
 
-    try:
-        run(cfg, a.out or RunPaths.for_run(cfg).stage("preflight"), a.gpu_memory_gib)
-    except PreflightError as e:
-        raise SystemExit(f"preflight: {e}") from None
+    run(cfg, a.out or RunPaths.for_run(cfg).stage("preflight"), a.gpu_memory_gib)
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    from stages.errors import run_cli
+
+    sys.exit(run_cli(main, "preflight"))

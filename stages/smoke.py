@@ -26,6 +26,7 @@ from pathlib import Path
 
 from stages import data, llamacpp, memory
 from stages.config import RunConfig, SmokeSection, load_config
+from stages.errors import UserError
 from stages.llamacpp_process import LlamaCrashed, LlamaProcess
 from stages.memory import GIB, MemoryReport
 
@@ -33,7 +34,7 @@ COMPUTE_BUFFER_GIB = 0.35   # llama.cpp's scratch for a batch of 512 on a 7B; sm
 MARGIN = 0.10               # of the card, kept free for the driver and fragmentation
 
 
-class SmokeError(RuntimeError):
+class SmokeError(UserError, RuntimeError):
     """A GGUF file failed the smoke test."""
 
 
@@ -191,4 +192,8 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    from stages.errors import run_cli
+
+    sys.exit(run_cli(main, "smoke"))

@@ -33,6 +33,7 @@ from transformers import TrainerCallback
 
 from stages import autofit, data, memory
 from stages.config import ConfigError, RunConfig, load_config
+from stages.errors import UserError
 from stages.memory import MemoryReport
 from stages.modelio import compute_dtype, device, load_base, load_tokenizer
 from stages.offload import OffloadActivations, embeddings_to_host
@@ -60,7 +61,7 @@ MAX_OOM_RETRIES = 2  # each halves the micro-batch and doubles accumulation
 LAUNCHED = "TAE_LAUNCHED"  # set in the processes `accelerate launch` starts for this stage
 
 
-class TrainOOMError(RuntimeError):
+class TrainOOMError(UserError, RuntimeError):
     """CUDA ran out of memory and halving the micro-batch did not help (or cannot)."""
 
 
@@ -383,7 +384,8 @@ def build_model(cfg: RunConfig):
     from transformers import set_seed
 
     model = load_base(cfg.model, cfg.quantization)
-    use_liger(model, loss=cross_entropy(cfg) == "chunked", kernels=fused_kernels(cfg))
+    use_liger(model, loss=cross_entropy(cfg) == "chunked", kernels=fused_kernels(cfg),
+              forced=cfg.training.cross_entropy == "chunked" or cfg.training.fused_kernels == "on")
     if tiled_mlp(cfg):
         tile_mlp(model)
     if offload_embeddings(cfg):
@@ -401,7 +403,7 @@ def build_model(cfg: RunConfig):
     except ValueError as e:
         if "not found in the base model" not in str(e) and "Target modules" not in str(e):
             raise
-        raise ValueError(
+        raise ConfigError(
             f"lora.target_modules {cfg.lora.target_modules} match no module of {type(model).__name__}; "
             f"its linear modules are: {sorted(linear_module_names(model))} (or use all-linear)"
         ) from None
@@ -452,7 +454,7 @@ def _resolved(cfg: RunConfig, key: str) -> bool | str:
              "offload_activations": "a CUDA GPU (pinned host memory, copy streams)",
              "offload_embeddings": "a CUDA GPU (the table is already in host memory on CPU)"}
     if key in needs and getattr(cfg.training, key) == "on" and not (on_gpu and (_has_liger() or "liger" not in needs[key])):
-        raise ValueError(f"training.{key}: on needs {needs[key]}; set it to auto or off")
+        raise ConfigError(f"training.{key}: on needs {needs[key]}; set it to auto or off")
     return resolve_auto(cfg, on_gpu=on_gpu, liger=_has_liger(), bnb=importlib.util.find_spec("bitsandbytes") is not None)[key]
 
 
@@ -505,7 +507,7 @@ def cross_entropy(cfg: RunConfig) -> str:
     if choice == "auto":
         return "chunked" if device().type == "cuda" and _has_liger() else "plain"
     if choice == "chunked" and not (device().type == "cuda" and _has_liger()):
-        raise ValueError(
+        raise ConfigError(
             "training.cross_entropy: chunked needs a CUDA GPU and liger-kernel (`pip install -e .[gpu]`, Triton-based); "
             "set training.cross_entropy: plain (or auto) on this machine"
         )
@@ -518,7 +520,7 @@ def _has_liger() -> bool:
     return importlib.util.find_spec("liger_kernel") is not None
 
 
-def use_liger(model, *, loss: bool, kernels: bool) -> None:
+def use_liger(model, *, loss: bool, kernels: bool, forced: bool = True) -> None:
     """Liger Kernel on this model instance: the fused linear cross-entropy never materialises
     the vocab x tokens logits; RMSNorm, SwiGLU and RoPE kernels save activations and time.
 
@@ -532,9 +534,12 @@ def use_liger(model, *, loss: bool, kernels: bool) -> None:
 
     apply = MODEL_TYPE_TO_APPLY_LIGER_FN.get(model.config.model_type)
     if apply is None:
-        raise ValueError(
+        if not forced:  # `auto`: the stock modules and loss, and the probe measures what that costs
+            print(f"train: liger-kernel has no kernels for model_type {model.config.model_type!r}: stock modules and loss")
+            return
+        raise ConfigError(
             f"liger-kernel has no kernels for model_type {model.config.model_type!r}; "
-            "set training.cross_entropy: plain and training.fused_kernels: off"
+            "set training.cross_entropy and training.fused_kernels to auto (stock modules) or plain/off"
         )
     apply(model=model, fused_linear_cross_entropy=loss, cross_entropy=False, rope=kernels, rms_norm=kernels, swiglu=kernels)
 
@@ -830,4 +835,8 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    from stages.errors import run_cli
+
+    sys.exit(run_cli(main, "train"))
