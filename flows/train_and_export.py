@@ -24,6 +24,7 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import INPUTS, TASK_SOURCE
 from prefect.runtime import flow_run
 
+from flows import reaper
 from flows.gpu_slot import gpu_slot
 from stages import data, errors, export, handoff, llamacpp, memory, merge, preflight, smoke, train
 from stages.config import load_config
@@ -101,6 +102,25 @@ def stage(name: str, fn, *, gpu: bool):
                 retries=2, retry_delay_seconds=30, retry_condition_fn=retry_transient)(body)
 
 
+# What a completed stage leaves in its directory. Prefect's cached result of a stage is used only while
+# these are all there: after `rm -rf artifacts/` the same run id runs the stage again instead of
+# handing the next one paths that no longer exist.
+OUTPUTS = {"preflight": ["preflight.json", "preflight.md"], "train": ["train_result.json", "adapter/adapter_config.json"],
+           "merge": ["merge_result.json", "model/config.json"], "export": ["export_result.json"], "smoke": ["smoke_result.json"]}
+
+
+def outputs_present(stage_dir: Path) -> bool:
+    files = [stage_dir / f for f in OUTPUTS[stage_dir.name]]
+    if stage_dir.name == "export" and files[0].is_file():  # and every GGUF it lists
+        files += [Path(f["path"]) for f in json.loads(files[0].read_text()).get("files", [])]
+    return all(f.exists() for f in files)
+
+
+def fresh(stage_task, stage_dir: Path):
+    """`stage_task`, with its cached result refreshed unless the stage's files are all still there."""
+    return stage_task.with_options(refresh_cache=not outputs_present(stage_dir))
+
+
 preflight_task = stage("preflight", preflight.run, gpu=True)
 train_task = stage("train", train.run, gpu=True)
 merge_task = stage("merge", merge.run, gpu=True)
@@ -119,41 +139,42 @@ def train_and_export(config: str = "configs/default.yaml", overrides: list[str] 
     fingerprint = data_fingerprint(cfg)
     print(f"run {paths.run_id}: {paths.root}  data {fingerprint[:12]}")
 
-    # 1. Will the worst micro-batch fit? Stops the run before any training if not.
-    pre = preflight_task(cfg, paths.stage("preflight"))
-    create_markdown_artifact(pre.report_md.read_text(), key="preflight-report", description="Preflight memory estimate")
-    # 2. LoRA / QLoRA adapter, resumable from checkpoints.
-    tr = train_task(cfg, paths.stage("train"))
-    publish_memory_timeline(paths.stage("train") / "memory_steps.jsonl", tr.memory_png)
-    # 3. Adapter merged into the 16-bit base.
-    mg = merge_task(cfg, tr.adapter_dir, paths.stage("merge"))
-    # 4. GGUF f16 -> Q4_K_M, Q5_K_S, each verified.
-    ex = export_task(cfg, mg.merged_dir, paths.stage("export"))
-    quants = [(f.quant, f.path) for f in ex.files]
-    drift = [memory.jsonable(f) for f in ex.fidelity]
-    create_table_artifact(drift, key="fidelity", description="Each GGUF vs the merged model on held-out texts (mean KL, top-1)")
-    # 5. Every GGUF under llama.cpp, within the serving card's budget.
-    sm = smoke_task(cfg, quants, paths.stage("smoke"))
-    create_table_artifact(
-        [{"quant": f.quant, "accuracy": f.accuracy, "passed": f.passed, "prompts": f.n_prompts, "gen_tok_s": f.gen_tokens_per_s,
-          "n_gpu_layers": f.plan.n_gpu_layers} for f in sm.files], key="smoke-results", description="llama.cpp smoke test per GGUF")
-    # 6. Atomic publish of the bundle.
-    reports = {"preflight": pre.memory, "train": tr.memory, "merge": mg.memory, "export": ex.memory, "smoke": sm.memory}
-    ho = handoff_task(
-        cfg, paths.run_id, quants, paths.stage("handoff"),
-        adapter_dir=tr.adapter_dir, data_fingerprint=fingerprint,
-        smoke={f.quant: {"accuracy": f.accuracy, "passed": f.passed, "n_prompts": f.n_prompts, "gen_tokens_per_s": f.gen_tokens_per_s,
-                         "n_gpu_layers": f.plan.n_gpu_layers} for f in sm.files},
-        memory=reports, fidelity=drift, merge={"base": mg.base, "kl": mg.kl},
-        extra={"prefect_flow_run_id": str(flow_run.id) if flow_run.id else None,
-               "train": {"steps": tr.steps, "first_loss": tr.first_loss, "final_loss": tr.final_loss, "fit": tr.fit}},
-    )
-    reports["handoff"] = ho.memory
-    summary = summarize(paths, reports, ho, tr, sm)
-    create_markdown_artifact(summary, key="run-summary", description=f"train-and-export run {paths.run_id}")
-    print(summary)
-    return {"run_id": paths.run_id, "run_dir": str(paths.root), "bundle": str(ho.bundle_dir),
-            "final_loss": tr.final_loss, "smoke": {f.quant: f.accuracy for f in sm.files}}
+    with paths.lock():  # a second process with this run id is refused, not let into the same directory
+        # 1. Will the worst micro-batch fit? Stops the run before any training if not.
+        pre = fresh(preflight_task, paths.stage("preflight"))(cfg, paths.stage("preflight"))
+        create_markdown_artifact(pre.report_md.read_text(), key="preflight-report", description="Preflight memory estimate")
+        # 2. LoRA / QLoRA adapter, resumable from checkpoints.
+        tr = fresh(train_task, paths.stage("train"))(cfg, paths.stage("train"))
+        publish_memory_timeline(paths.stage("train") / "memory_steps.jsonl", tr.memory_png)
+        # 3. Adapter merged into the 16-bit base.
+        mg = fresh(merge_task, paths.stage("merge"))(cfg, tr.adapter_dir, paths.stage("merge"))
+        # 4. GGUF f16 -> Q4_K_M, Q5_K_S, each verified.
+        ex = fresh(export_task, paths.stage("export"))(cfg, mg.merged_dir, paths.stage("export"))
+        quants = [(f.quant, f.path) for f in ex.files]
+        drift = [memory.jsonable(f) for f in ex.fidelity]
+        create_table_artifact(drift, key="fidelity", description="Each GGUF vs the merged model on held-out texts (mean KL, top-1)")
+        # 5. Every GGUF under llama.cpp, within the serving card's budget.
+        sm = fresh(smoke_task, paths.stage("smoke"))(cfg, quants, paths.stage("smoke"))
+        create_table_artifact(
+            [{"quant": f.quant, "accuracy": f.accuracy, "passed": f.passed, "prompts": f.n_prompts, "gen_tok_s": f.gen_tokens_per_s,
+              "n_gpu_layers": f.plan.n_gpu_layers} for f in sm.files], key="smoke-results", description="llama.cpp smoke test per GGUF")
+        # 6. Atomic publish of the bundle.
+        reports = {"preflight": pre.memory, "train": tr.memory, "merge": mg.memory, "export": ex.memory, "smoke": sm.memory}
+        ho = handoff_task(
+            cfg, paths.run_id, quants, paths.stage("handoff"),
+            adapter_dir=tr.adapter_dir, data_fingerprint=fingerprint,
+            smoke={f.quant: {"accuracy": f.accuracy, "passed": f.passed, "n_prompts": f.n_prompts, "gen_tokens_per_s": f.gen_tokens_per_s,
+                             "n_gpu_layers": f.plan.n_gpu_layers} for f in sm.files},
+            memory=reports, fidelity=drift, merge={"base": mg.base, "kl": mg.kl},
+            extra={"prefect_flow_run_id": str(flow_run.id) if flow_run.id else None,
+                   "train": {"steps": tr.steps, "first_loss": tr.first_loss, "final_loss": tr.final_loss, "fit": tr.fit}},
+        )
+        reports["handoff"] = ho.memory
+        summary = summarize(paths, reports, ho, tr, sm)
+        create_markdown_artifact(summary, key="run-summary", description=f"train-and-export run {paths.run_id}")
+        print(summary)
+        return {"run_id": paths.run_id, "run_dir": str(paths.root), "bundle": str(ho.bundle_dir),
+                "final_loss": tr.final_loss, "smoke": {f.quant: f.accuracy for f in sm.files}}
 
 
 def summarize(paths: RunPaths, reports: dict, ho, tr, sm) -> str:
@@ -183,6 +204,8 @@ def main(argv: list[str] | None = None) -> int:
 
     def go():
         load_config(a.config, a.set)  # a bad config fails here, before Prefect starts a server
+        reaper.watch()  # nothing this process starts outlives it, even after kill -9
+        reaper.isolate_temporary_api()
         train_and_export(config=a.config, overrides=a.set, run_id=run_id)
 
     return errors.run_cli(go, "train-and-export", resume=resume)

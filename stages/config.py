@@ -17,7 +17,7 @@ import difflib
 import hashlib
 import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -80,7 +80,7 @@ class LoraSection(Section):
     r: int = Field(16, gt=0, le=4096, description="Rank; higher adds capacity and memory.")
     lora_alpha: float = Field(32, gt=0, description="Scale = lora_alpha / r.")
     lora_dropout: float = Field(0.05, ge=0, lt=1, description="Dropout on the adapter input; 0 skips a copy of each input.")
-    target_modules: list[str] | Literal["all-linear"] = Field(
+    target_modules: Annotated[list[str], Field(min_length=1)] | Literal["all-linear"] = Field(
         "all-linear", description="Module names to adapt, e.g. [q_proj, v_proj, o_proj], or all-linear."
     )
     bias: Literal["none", "all", "lora_only"] = Field("none", description="Which biases train; none keeps the base frozen.")
@@ -200,6 +200,20 @@ class FidelitySection(Section):
         "next token (llama.cpp on Llama-3-8B Q4_K_M: 91.9%).",
     )
 
+    @model_validator(mode="after")
+    def _known_file_types(self) -> FidelitySection:
+        known = {*QUANT_FTYPES, "f16", "bf16", "f32", "default"}
+        by_lower = {k.lower(): k for k in known}
+        bad = []
+        for name in ("max_mean_kl", "min_top1"):
+            for key in getattr(self, name):
+                if key not in known:
+                    near = by_lower.get(key.lower()) or next(iter(difflib.get_close_matches(key, sorted(known), n=1)), None)
+                    bad.append(f"{name}.{key}" + (f" (did you mean {near}?)" if near else ""))
+        if bad:  # an unknown key would be silently ignored and that file held to `default`
+            raise ValueError(f"unknown file type(s) {', '.join(bad)}; keys are {', '.join(sorted(known))}")
+        return self
+
     def thresholds(self, quant: str) -> tuple[float, float]:
         return (self.max_mean_kl.get(quant, self.max_mean_kl.get("default", 0.1)),
                 self.min_top1.get(quant, self.min_top1.get("default", 0.85)))
@@ -274,7 +288,9 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConf
     if not path.is_file():
         raise ConfigError(f"config file {path.resolve()} does not exist; pass --config with a file from configs/")
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
+        raw = yaml.load(path.read_text(encoding="utf-8"), Loader=_StrictLoader) or {}
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start}); save it as UTF-8") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: not valid YAML: {e}") from None
     if not isinstance(raw, dict):
@@ -289,6 +305,25 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConf
     if problems:
         raise ConfigError(f"{path}: config cannot run:\n" + "\n".join(f"  - {p}" for p in problems))
     return cfg
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """safe_load that refuses a key given twice in one mapping: YAML keeps the last one silently."""
+
+
+def _no_duplicates(loader: yaml.SafeLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
+    seen: dict = {}
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        if key in seen:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"`{key}` is given twice in the same mapping (lines {seen[key] + 1} and {key_node.start_mark.line + 1}); "
+                "YAML would keep only the last one: merge them into one", key_node.start_mark)
+        seen[key] = key_node.start_mark.line
+    return loader.construct_mapping(node, deep=deep)
+
+
+_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _no_duplicates)
 
 
 def _apply_override(raw: dict[str, Any], item: str) -> None:
@@ -339,13 +374,23 @@ def _check_inputs(cfg: RunConfig) -> list[str]:
 
     problems = []
     try:
-        resolve_model_dir(cfg.model.name_or_path)
+        model_dir = resolve_model_dir(cfg.model.name_or_path)
     except UserError as e:
         problems.append(f"model.name_or_path: {e}")
+    else:
+        from stages.modelcheck import check_model_dir
+
+        problems += [f"model.name_or_path: {p}" for p in check_model_dir(model_dir, cfg.model.trust_remote_code)]
     for key in ("train_file", "eval_file"):
         f = getattr(cfg.data, key)
-        if f is not None and not f.is_file():
+        if f is not None and f.is_dir():
+            problems.append(f"data.{key}: {f.resolve()} is a directory; point it at a JSONL file in it")
+        elif f is not None and not f.is_file():
             problems.append(f"data.{key}: {f.resolve()} does not exist; point it at a JSONL file")
+    for key, d in (("artifacts_dir", cfg.artifacts_dir), ("handoff.dir", cfg.handoff.dir)):
+        clash = next((p for p in (d, *d.parents) if p.exists() and not p.is_dir()), None)
+        if clash is not None:
+            problems.append(f"{key}: {clash.resolve()} is a file, not a directory; point {key} at a directory (it is created if missing)")
     if cfg.smoke.check == "exact" and cfg.data.eval_file is None:
         problems.append("smoke.check is `exact` but data.eval_file is not set; add held-out samples or use smoke.check: stops")
     return problems

@@ -33,6 +33,10 @@ class Message(BaseModel):
     model_config = ConfigDict(extra="forbid")
     role: Literal["system", "user", "assistant"]
     content: str
+    name: str | None = None  # OpenAI's participant name: accepted, not rendered (chat templates have no place for it)
+
+    def model_dump(self, **kw) -> dict:
+        return {"role": self.role, "content": self.content}
 
 
 class ChatLine(BaseModel):
@@ -63,27 +67,76 @@ class Sample:
         return [m for m in self.messages if m["role"] == "assistant"][-1]["content"]
 
 
+MAX_LINE_BYTES = 16 * 2**20  # one sample; a larger line is a wrong file (a JSON dump, a binary), not a long conversation
+
+
 def read_jsonl(path: Path) -> list[Sample]:
-    """All samples of one file, or DataError listing every bad line as file:line."""
+    """All samples of one file, or DataError listing every bad line as file:line.
+
+    UTF-8 (with or without a BOM) and UTF-16 with a BOM (what a Windows shell redirect writes)
+    are read, gzip-compressed files too (`.jsonl.gz`, or any name); a JSON array, invalid bytes
+    and a line over MAX_LINE_BYTES are refused by name.
+    """
     path = Path(path)
     samples, problems = [], []
-    with path.open(encoding="utf-8") as f:
-        for n, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{n}"
-            try:
-                samples.append(Sample(where, tuple(_parse(json.loads(line)))))
-            except json.JSONDecodeError as e:
-                problems.append(f"{where}: not valid JSON ({e.msg} at column {e.colno}); fix or remove the line")
-            except (ValidationError, ValueError) as e:
-                problems.append(f"{where}: {_short(e)}")
+    for n, line in _lines(path):
+        if not line.strip():
+            continue
+        where = f"{path}:{n}"
+        try:
+            samples.append(Sample(where, tuple(_parse(json.loads(line)))))
+        except json.JSONDecodeError as e:
+            if n == 1 and line.lstrip().startswith("["):
+                raise DataError(_json_array(path)) from None
+            problems.append(f"{where}: not valid JSON ({e.msg} at column {e.colno}); fix or remove the line")
+        except (ValidationError, ValueError) as e:
+            if isinstance(e, ValueError) and n == 1 and line.lstrip().startswith("["):
+                raise DataError(_json_array(path)) from None
+            problems.append(f"{where}: {_short(e)}")
     if problems:
         more = f"\n  ... and {len(problems) - MAX_REPORTED} more" if len(problems) > MAX_REPORTED else ""
         raise DataError(f"{path}: {len(problems)} bad line(s):\n" + "\n".join(f"  - {p}" for p in problems[:MAX_REPORTED]) + more)
     if not samples:
         raise DataError(f"{path} has no samples; add JSONL lines with `messages` or `prompt`/`completion`")
     return samples
+
+
+def _json_array(path: Path) -> str:
+    return (f"{path} is a JSON array, not JSON Lines (one JSON object per line); convert it: "
+            f"`jq -c '.[]' {path.name} > {path.stem}.lines.jsonl`, or in Python write json.dumps(item) + '\\n' for each item")
+
+
+def _lines(path: Path):
+    """(line number, text) of a UTF-8 / UTF-16 / gzip JSONL file; DataError for anything else."""
+    import codecs
+    import gzip
+
+    with path.open("rb") as f:
+        magic = f.read(2)
+    opener = gzip.open if magic == b"\x1f\x8b" else open
+    try:
+        with opener(path, "rb") as f:
+            head = f.read(4)
+            if head.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
+                text = (head + f.read()).decode("utf-16")  # the BOM says which byte order
+                yield from enumerate(text.splitlines(), start=1)
+                return
+            f.seek(0)
+            for n, raw in enumerate(iter(lambda: f.readline(MAX_LINE_BYTES + 1), b""), start=1):
+                if len(raw) > MAX_LINE_BYTES:
+                    raise DataError(f"{path}:{n}: a line of over {MAX_LINE_BYTES // 2**20} MiB; one sample per line is expected: "
+                                    "split the file into JSON Lines, one conversation per line")
+                if n == 1:
+                    raw = raw.removeprefix(codecs.BOM_UTF8)
+                try:
+                    yield n, raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise DataError(f"{path}:{n}: not UTF-8 ({e.reason}: byte 0x{raw[e.start]:02x} at column {e.start + 1}); "
+                                    "save the file as UTF-8 (UTF-16 with a byte-order mark is read too)") from None
+    except UnicodeDecodeError as e:  # UTF-16 with a BOM but broken
+        raise DataError(f"{path}: not valid UTF-16 ({e.reason}); save the file as UTF-8") from None
+    except (gzip.BadGzipFile, EOFError) as e:
+        raise DataError(f"{path}: a damaged gzip file ({e}); compress it again or give the uncompressed JSONL") from None
 
 
 def _parse(obj: object) -> list[dict]:

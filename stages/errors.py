@@ -50,6 +50,15 @@ def no_space(err: OSError, path: str | os.PathLike | None = None) -> DiskFull:
                     "free some space (old runs under artifacts_dir/runs, the HF cache) or point artifacts_dir at a larger disk")
 
 
+INJECT_ENV = "TAE_INJECT"  # test hook: the fault point to fail at, e.g. export-quantize
+
+
+def inject(point: str, path: Path | None = None) -> None:
+    """Test hook: a full disk at `point` when TAE_INJECT names it (a tmpfs cannot be mounted everywhere tests run)."""
+    if os.environ.get(INJECT_ENV) == point:
+        raise OSError(errno.ENOSPC, "No space left on device (injected)", str(path) if path else None)
+
+
 def as_user_error(err: BaseException) -> UserError | None:
     """The user error behind `err` (itself, or what it was raised from), or None for a bug."""
     seen = set()

@@ -15,6 +15,8 @@ equal the HF tokenizer's, or the model will not stop or will be prompted wrongly
 from __future__ import annotations
 
 import argparse
+import contextlib
+import errno
 import json
 import re
 import subprocess
@@ -23,7 +25,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from stages import data, fidelity, llamacpp, memory
+from stages import data, errors, fidelity, llamacpp, memory
 from stages.config import QUANT_FTYPES, RunConfig, load_config
 from stages.errors import MissingInput
 from stages.llamacpp_process import LlamaProcess
@@ -86,7 +88,7 @@ def run(cfg: RunConfig, merged_dir: Path, out_dir: Path) -> ExportResult:
         clock = now
         print(f"export: {name} took {seconds[name]:.1f} s", flush=True)  # in the log even if a later step dies
 
-    with memory.track("export", out_dir) as meter:
+    with memory.track("export", out_dir) as meter, _no_partial_files(out_dir):
         base = out_dir / f"model-{cfg.export.outtype}.gguf"
         convert(meter, converter, merged_dir, base, cfg.export.outtype)
         lap(f"convert_{cfg.export.outtype}")
@@ -98,6 +100,7 @@ def run(cfg: RunConfig, merged_dir: Path, out_dir: Path) -> ExportResult:
         for quant in cfg.export.quant_types:
             path = out_dir / f"model-{quant}.gguf"
             tmp = path.with_suffix(".gguf.partial")
+            errors.inject("export-quantize", tmp)
             llamacpp.quantize(base, tmp, QUANT_FTYPES[quant])
             info = llamacpp.read_gguf(tmp)
             check_quant_types(info, quant, tmp)
@@ -113,6 +116,20 @@ def run(cfg: RunConfig, merged_dir: Path, out_dir: Path) -> ExportResult:
     result = ExportResult(base, files, llamacpp.runtime_version(), meter.report, checks=checks, fidelity=drift, seconds=seconds)
     done.write_text(json.dumps(memory.jsonable(result), indent=2))
     return result
+
+
+@contextlib.contextmanager
+def _no_partial_files(out_dir: Path):
+    """Whatever stops the export (a full disk, a failed check, Ctrl-C), no half-written GGUF stays behind;
+    a full disk is said as such."""
+    try:
+        yield
+    except BaseException as e:
+        for p in out_dir.glob("*.partial"):
+            p.unlink(missing_ok=True)
+        if isinstance(e, OSError) and e.errno == errno.ENOSPC and not isinstance(e, errors.DiskFull):
+            raise errors.no_space(e) from e
+        raise
 
 
 # transformers 5 writes rope_type "default" for plain RoPE; the converter knows only the scaled types by name,

@@ -32,6 +32,7 @@ from pathlib import Path
 
 from stages import modelcard
 from stages.config import RunConfig
+from stages.errors import DiskFull, RunError
 from stages.memory import MemoryReport, track
 from stages.modelio import resolve_model_dir
 
@@ -76,7 +77,7 @@ def run(
     root = Path(cfg.handoff.dir) / cfg.handoff.model_name
     final = root / version
     if final.exists():
-        raise FileExistsError(f"bundle {final} already exists; versions are immutable, publish under a new run id")
+        raise RunError(f"bundle {final} already exists; versions are immutable, publish under a new run id")
     root.mkdir(parents=True, exist_ok=True)
     with track("handoff", out_dir, gpu=False) as meter:
         tmp = Path(tempfile.mkdtemp(prefix=f".{version}.", dir=root))
@@ -106,8 +107,8 @@ def run(
             shutil.rmtree(tmp, ignore_errors=True)
             if isinstance(e, OSError) and e.errno == errno.ENOSPC:
                 need = sum(Path(p).stat().st_size for _q, p in gguf_files) / 2**30
-                raise OSError(errno.ENOSPC, f"disk full while writing the bundle under {root} (it needs {need:.2f} GiB); "
-                              "nothing was published and `latest` is unchanged; free space and run again") from e
+                raise DiskFull(errno.ENOSPC, f"disk full while writing the bundle under {root} (it needs {need:.2f} GiB); "
+                               "nothing was published and `latest` is unchanged; free space and run again") from e
             raise
         _point_latest(root, version)
     return HandoffResult(final, final / "manifest.json", version, names, meter.report)

@@ -13,6 +13,7 @@ import os
 from collections import Counter
 from pathlib import Path
 
+from stages import errors
 from stages.errors import UserError
 
 CACHE = Path(os.environ.get("TAE_CACHE_DIR", Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "train-and-export"))
@@ -63,6 +64,11 @@ def quantize(src: Path, dst: Path, ftype: int, nthread: int = 0) -> None:
     params.nthread = nthread or (os.cpu_count() or 1)
     rc = llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params))
     if rc != 0 or not dst.is_file():
+        import errno
+        import shutil
+
+        if shutil.disk_usage(dst.parent).free < src.stat().st_size // 2:  # llama.cpp says only "failed": a full disk is the likely why
+            raise errors.no_space(OSError(errno.ENOSPC, "No space left on device", str(dst)))
         raise RuntimeError(f"llama_model_quantize({src.name} -> {dst.name}, ftype {ftype}) failed with code {rc}")
 
 

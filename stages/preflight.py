@@ -171,6 +171,7 @@ def run(cfg: RunConfig, out_dir: Path, gpu_memory_gib: float | None = None) -> P
     with memory.track("preflight", out_dir) as meter:
         shapes = Shapes.from_config(json.loads((resolve_model_dir(cfg.model.name_or_path) / "config.json").read_text()))
         lengths = scan_lengths(cfg)
+        check_held_out(cfg)  # what merge, export and smoke will read: its problems stop the run now, not after training
         device, budget = _budget(gpu_memory_gib or cfg.preflight.gpu_memory_gib)
         on_gpu = device != "cpu"
         # The CUDA context (driver, kernels) lives outside torch's allocator, which is what
@@ -263,6 +264,16 @@ def probe(cfg: RunConfig, worst_len: int, cap_gib: float, out_dir: Path, model=N
         memory.free_gpu()
         torch.cuda.set_per_process_memory_fraction(1.0)
     return ProbeResult(ok, round(peak_reserved, 4), round(peak_alloc, 4), round(cap_gib, 3), batch, postmortem, error)
+
+
+def check_held_out(cfg: RunConfig) -> None:
+    """The held-out file parses, renders with the chat template, and its prompts fit the smoke test's context."""
+    from stages import smoke
+
+    tokenizer = load_tokenizer(cfg.model)
+    samples = data.held_out(cfg, max(cfg.smoke.max_prompts, cfg.export.fidelity.samples, cfg.merge.samples))
+    data.tokenize(samples, tokenizer, 1 << 30, "error")
+    smoke.check_context(cfg, tokenizer)
 
 
 def scan_lengths(cfg: RunConfig) -> LengthScan:

@@ -107,6 +107,17 @@ def load_prompts(cfg: RunConfig) -> list[data.Sample]:
     return data.held_out(cfg, cfg.smoke.max_prompts)
 
 
+def check_context(cfg: RunConfig, tokenizer) -> None:
+    """SmokeError, before any training, if a held-out prompt plus the answer cannot fit smoke.n_ctx."""
+    s = cfg.smoke
+    longest = max((len(tokenizer.apply_chat_template(p.prompt_messages, add_generation_prompt=True, tokenize=True)), p.id)
+                  for p in load_prompts(cfg))
+    if longest[0] + s.max_tokens > s.n_ctx:
+        raise SmokeError(f"smoke.n_ctx {s.n_ctx} cannot hold the longest held-out prompt ({longest[1]}: {longest[0]} tokens) plus "
+                         f"smoke.max_tokens {s.max_tokens}: raise smoke.n_ctx to at least {longest[0] + s.max_tokens}, "
+                         "or lower smoke.max_tokens")
+
+
 def plan_offload(info: dict, n_ctx: int, gpu_memory_gib: float | None, gpu_offload: bool) -> OffloadPlan:
     """How many repeating layers fit on the serving card, from the GGUF's own tensor sizes."""
     f = info["fields"]

@@ -8,6 +8,7 @@ import pytest
 
 from stages import handoff
 from stages.config import load_config
+from stages.errors import RunError
 from tests.conftest import write_config
 
 
@@ -63,7 +64,7 @@ def test_failed_publish_leaves_everything_as_it_was(tmp_path):
 def test_versions_are_immutable(tmp_path):
     cfg = load_config(write_config(tmp_path))
     publish(cfg, "v1", [("Q4_K_M", gguf(tmp_path, "model-Q4_K_M.gguf", b"one"))], tmp_path)
-    with pytest.raises(FileExistsError, match="versions are immutable"):
+    with pytest.raises(RunError, match="versions are immutable"):
         publish(cfg, "v1", [("Q4_K_M", gguf(tmp_path, "model-Q4_K_M.gguf", b"other"))], tmp_path)
 
 
