@@ -32,7 +32,8 @@ from prefect.events.worker import EventsWorker
 
 from flows.gpu_slot import ensure_gpu_limit
 from flows.train_and_export import data_fingerprint, train_and_export
-from stages.config import RunConfig, load_config
+from stages import errors
+from stages.config import ConfigError, RunConfig, load_config
 
 PIPELINE = "train-and-export/default"
 EVENT = "dataset.updated"
@@ -96,21 +97,23 @@ def main(argv: list[str] | None = None) -> int:
     n = sub.add_parser("notify", help=f"emit `{EVENT}`: retrain if the data of this config changed")
     n.add_argument("--config", required=True)
     a = ap.parse_args(argv)
-    if not os.environ.get("PREFECT_API_URL"):
-        print("PREFECT_API_URL is not set: start `prefect server start --host 127.0.0.1` and export "
-              "PREFECT_API_URL=http://127.0.0.1:4200/api (deployments, schedules and events need a server)", file=sys.stderr)
-        return 2
-    if a.cmd == "notify":
-        cfg = load_config(a.config)
-        emit_event(event=EVENT, resource={"prefect.resource.id": f"train-and-export.dataset.{cfg.handoff.model_name}"},
-                   payload={"config": a.config, "fingerprint": data_fingerprint(cfg)})
-        EventsWorker.drain_all()  # sent before this short process exits
-        print(f"emitted {EVENT} for {a.config}")
-        return 0
-    load_config(a.config)  # a broken default config fails here, not at the first scheduled run
-    print(f"gpu concurrency limit: {ensure_gpu_limit()} slot(s)")
-    serve(*deployments(a.config, a.cron), limit=a.limit)
-    return 0
+
+    def go() -> None:
+        if not os.environ.get("PREFECT_API_URL"):
+            raise ConfigError("PREFECT_API_URL is not set: start `prefect server start --host 127.0.0.1` and export "
+                              "PREFECT_API_URL=http://127.0.0.1:4200/api (deployments, schedules and events need a server)")
+        if a.cmd == "notify":
+            cfg = load_config(a.config)
+            emit_event(event=EVENT, resource={"prefect.resource.id": f"train-and-export.dataset.{cfg.handoff.model_name}"},
+                       payload={"config": a.config, "fingerprint": data_fingerprint(cfg)})
+            EventsWorker.drain_all()  # sent before this short process exits
+            print(f"emitted {EVENT} for {a.config}")
+            return
+        load_config(a.config)  # a broken default config fails here, not at the first scheduled run
+        print(f"gpu concurrency limit: {ensure_gpu_limit()} slot(s)")
+        serve(*deployments(a.config, a.cron), limit=a.limit)
+
+    return errors.run_cli(go, f"flows.deploy {a.cmd}")
 
 
 if __name__ == "__main__":

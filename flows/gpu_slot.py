@@ -34,15 +34,23 @@ def ensure_gpu_limit(slots: int | None = None, *, resize: bool = True) -> int:
     """
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate, GlobalConcurrencyLimitUpdate
-    from prefect.exceptions import ObjectAlreadyExists
+    from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
 
     slots = slots or int(os.environ.get("TAE_GPU_SLOTS", "1"))
     with get_client(sync_client=True) as client:
-        try:
-            client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=GPU_LIMIT, limit=slots))
-        except ObjectAlreadyExists:
-            if not resize:  # someone (flows.deploy, an admin) set it: theirs stands
-                return client.read_global_concurrency_limit_by_name(GPU_LIMIT).limit
+        try:  # read first: a create of an existing limit makes the server log an IntegrityError traceback
+            existing = client.read_global_concurrency_limit_by_name(GPU_LIMIT)
+        except ObjectNotFound:
+            existing = None
+        if existing is None:
+            try:
+                client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=GPU_LIMIT, limit=slots))
+                return slots
+            except ObjectAlreadyExists:  # another run created it in between
+                existing = client.read_global_concurrency_limit_by_name(GPU_LIMIT)
+        if not resize:  # someone (flows.deploy, an admin, an earlier run) set it: theirs stands
+            return existing.limit
+        if existing.limit != slots:
             client.update_global_concurrency_limit(GPU_LIMIT, GlobalConcurrencyLimitUpdate(limit=slots))
     return slots
 

@@ -292,9 +292,10 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConf
     except UnicodeDecodeError as e:
         raise ConfigError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start}); save it as UTF-8") from None
     except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+        raise ConfigError(f"{path}: not valid YAML: {e}; fix it there (indentation, an unclosed bracket or quote, a key given twice)") from None
     if not isinstance(raw, dict):
-        raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(raw).__name__}")
+        raise ConfigError(f"{path}: the top level must be a mapping of sections (model:, data:, lora:, training:, ...), got "
+                          f"{type(raw).__name__}; use configs/default.yaml as the pattern")
     for item in overrides or []:
         _apply_override(raw, item)
     try:
@@ -353,8 +354,17 @@ def _explain(path: Path, err: ValidationError) -> str:
         elif e["type"] == "missing":
             lines.append(f"{loc}: required, but missing; add it to the YAML")
         else:
-            lines.append(f"{loc}: {e['msg']} (got {e.get('input')!r})")
+            about = _field_at(e["loc"])
+            lines.append(f"{loc}: {e['msg']} (got {e.get('input')!r}); set a value that is"
+                         + (f": {about.rstrip('.')}" if about else " valid there (configs/default.yaml shows one)"))
     return f"{path}: config is not well-formed, found the following errors:\n" + "\n".join(f"  - {x}" for x in lines)
+
+
+def _field_at(loc: tuple) -> str | None:
+    """The schema's description of the field at `loc` (what a valid value is), if there is one."""
+    parent = _section_at(loc[:-1])
+    field = parent.model_fields.get(str(loc[-1])) if parent else None
+    return field.description if field else None
 
 
 def _section_at(loc: tuple) -> type[BaseModel] | None:

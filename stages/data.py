@@ -95,7 +95,9 @@ def read_jsonl(path: Path) -> list[Sample]:
             problems.append(f"{where}: {_short(e)}")
     if problems:
         more = f"\n  ... and {len(problems) - MAX_REPORTED} more" if len(problems) > MAX_REPORTED else ""
-        raise DataError(f"{path}: {len(problems)} bad line(s):\n" + "\n".join(f"  - {p}" for p in problems[:MAX_REPORTED]) + more)
+        raise DataError(f"{path}: {len(problems)} bad line(s):\n" + "\n".join(f"  - {p}" for p in problems[:MAX_REPORTED]) + more
+                        + "\nfix or remove these lines: each line is one JSON object with `messages` (a list of {\"role\": "
+                        "system|user|assistant, \"content\": text}) or with `prompt` and `completion`")
     if not samples:
         raise DataError(f"{path} has no samples; add JSONL lines with `messages` or `prompt`/`completion`")
     return samples

@@ -40,6 +40,9 @@ class RunError(UserError):
 class DiskFull(UserError, OSError):
     """No space left while writing a run's files."""
 
+    def __str__(self) -> str:
+        return self.strerror or super().__str__()  # the message, without OSError's "[Errno 28]"
+
 
 def no_space(err: OSError, path: str | os.PathLike | None = None) -> DiskFull:
     """ENOSPC as one message: which file, which device, how much is free."""
@@ -54,9 +57,15 @@ INJECT_ENV = "TAE_INJECT"  # test hook: the fault point to fail at, e.g. export-
 
 
 def inject(point: str, path: Path | None = None) -> None:
-    """Test hook: a full disk at `point` when TAE_INJECT names it (a tmpfs cannot be mounted everywhere tests run)."""
-    if os.environ.get(INJECT_ENV) == point:
+    """Test hook: a full disk at `point` when TAE_INJECT names it (a tmpfs cannot be mounted everywhere tests
+    run), or this process killed there (SIGKILL) when it says `<point>:kill`."""
+    wanted = os.environ.get(INJECT_ENV)
+    if wanted == point:
         raise OSError(errno.ENOSPC, "No space left on device (injected)", str(path) if path else None)
+    if wanted == f"{point}:kill":
+        import signal
+
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def as_user_error(err: BaseException) -> UserError | None:

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
-from stages import modelcard
+from stages import errors, modelcard
 from stages.config import RunConfig
 from stages.errors import DiskFull, RunError
 from stages.memory import MemoryReport, track
@@ -79,6 +79,8 @@ def run(
     if final.exists():
         raise RunError(f"bundle {final} already exists; versions are immutable, publish under a new run id")
     root.mkdir(parents=True, exist_ok=True)
+    for stale in root.glob(f".{version}.*"):  # what a killed earlier attempt of this version left
+        shutil.rmtree(stale, ignore_errors=True)
     with track("handoff", out_dir, gpu=False) as meter:
         tmp = Path(tempfile.mkdtemp(prefix=f".{version}.", dir=root))
         try:
@@ -90,6 +92,7 @@ def run(
                 shutil.copy2(src, dst)
                 dst.chmod(0o444)
                 names.append(dst.name)
+                errors.inject("handoff-copy", dst)
             sums = {n: sha256_file(tmp / n) for n in names}
             serving = _serving(cfg, gguf_files[0][1])
             manifest = _manifest(cfg, version, gguf_files, sums, adapter_dir, data_fingerprint, smoke, memory,

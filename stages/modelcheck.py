@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import struct
 from pathlib import Path
 
@@ -129,18 +130,18 @@ def _shapes(config: dict, tensors: dict[str, dict]) -> list[str]:
     emb = shape_of("embed_tokens.weight") or shape_of("wte.weight")
     if emb and hidden and vocab and emb[1] != [vocab, hidden]:
         problems.append(f"config.json says vocab_size {vocab} x hidden_size {hidden}, but {emb[0]} is {emb[1][0]} x {emb[1][1]}: "
-                        "the config does not belong to these weights; use the model's own config.json")
+                        "the config does not belong to these weights; use the config.json that came with them")
     heads, kv = c.get("num_attention_heads"), c.get("num_key_value_heads") or c.get("num_attention_heads")
     head_dim = c.get("head_dim") or (hidden // heads if hidden and heads else None)
     for proj, rows in (("layers.0.self_attn.q_proj.weight", heads), ("layers.0.self_attn.k_proj.weight", kv)):
         found = shape_of(proj)
         if found and rows and head_dim and hidden and found[1] != [rows * head_dim, hidden]:
             problems.append(f"config.json implies {found[0]} of {rows * head_dim} x {hidden} ({rows} heads of {head_dim}), but it is "
-                            f"{found[1][0]} x {found[1][1]}: the config does not belong to these weights")
+                            f"{found[1][0]} x {found[1][1]}: the config does not belong to these weights; use the config.json that came with them")
     layers = {int(p) for name in tensors for p in [_layer_index(name)] if p is not None}
     if layers and c.get("num_hidden_layers") and max(layers) + 1 != c["num_hidden_layers"]:
         problems.append(f"config.json says num_hidden_layers {c['num_hidden_layers']}, the weights hold {max(layers) + 1} layers: "
-                        "the config does not belong to these weights")
+                        "the config does not belong to these weights; use the config.json that came with them")
     return problems
 
 
@@ -157,11 +158,16 @@ def _tokenizer(model_dir: Path, trust_remote_code: bool) -> list[str]:
         return [f"{model_dir}: no tokenizer (tokenizer.json or tokenizer.model); copy the tokenizer files from the model's source"]
     from transformers import AutoTokenizer
 
+    quiet = logging.getLogger("transformers")
+    level = quiet.level
+    quiet.setLevel(logging.CRITICAL)  # a broken file makes transformers log a malformed record ("--- Logging error ---")
     try:
         tok = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
     except Exception as e:  # a tokenizer file that does not parse, a missing dependency: all the user's to fix
-        return [f"{model_dir}: the tokenizer does not load ({type(e).__name__}: {str(e).splitlines()[0][:300]}); "
+        return [f"{model_dir}: the tokenizer does not load ({type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}); "
                 "restore its files from the model's source"]
+    finally:
+        quiet.setLevel(level)
     ids = tok(PROBE_TEXT, add_special_tokens=False)["input_ids"]
     unknown = sum(i == tok.unk_token_id for i in ids) if tok.unk_token_id is not None else 0
     if len(ids) < 8 or unknown > len(ids) // 2:

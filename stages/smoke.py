@@ -26,9 +26,10 @@ from pathlib import Path
 
 from stages import data, llamacpp, memory
 from stages.config import RunConfig, SmokeSection, load_config
-from stages.errors import UserError
+from stages.errors import MissingInput, UserError
 from stages.llamacpp_process import LlamaCrashed, LlamaProcess
 from stages.memory import GIB, MemoryReport
+from stages.modelio import load_tokenizer
 
 COMPUTE_BUFFER_GIB = 0.35   # llama.cpp's scratch for a batch of 512 on a 7B; small models use less
 MARGIN = 0.10               # of the card, kept free for the driver and fragmentation
@@ -78,6 +79,10 @@ class SmokeResult:
 def run(cfg: RunConfig, gguf_files: list[tuple[str, Path]], out_dir: Path) -> SmokeResult:
     """Smoke-test each (quant, path) GGUF; raise SmokeError naming every file that failed."""
     out_dir = Path(out_dir)
+    missing = [str(p) for _q, p in gguf_files if not Path(p).is_file()]
+    if missing:
+        raise MissingInput(f"GGUF file(s) not found: {', '.join(missing)}; point --gguf at the export stage's model-*.gguf files")
+    check_context(cfg, load_tokenizer(cfg.model))
     prompts = load_prompts(cfg)
     results = []
     with memory.track("smoke", out_dir, gpu=False) as meter:  # llama.cpp: its own process, NVML figures in extra
@@ -110,8 +115,11 @@ def load_prompts(cfg: RunConfig) -> list[data.Sample]:
 def check_context(cfg: RunConfig, tokenizer) -> None:
     """SmokeError, before any training, if a held-out prompt plus the answer cannot fit smoke.n_ctx."""
     s = cfg.smoke
-    longest = max((len(tokenizer.apply_chat_template(p.prompt_messages, add_generation_prompt=True, tokenize=True)), p.id)
-                  for p in load_prompts(cfg))
+    def n_tokens(sample) -> int:
+        text = tokenizer.apply_chat_template(sample.prompt_messages, add_generation_prompt=True, tokenize=False)
+        return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    longest = max((n_tokens(p), p.id) for p in load_prompts(cfg))
     if longest[0] + s.max_tokens > s.n_ctx:
         raise SmokeError(f"smoke.n_ctx {s.n_ctx} cannot hold the longest held-out prompt ({longest[1]}: {longest[0]} tokens) plus "
                          f"smoke.max_tokens {s.max_tokens}: raise smoke.n_ctx to at least {longest[0] + s.max_tokens}, "

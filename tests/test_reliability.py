@@ -1,0 +1,503 @@
+"""Reliability suite: bad inputs and faults through the README's command, judged by one set of rules.
+
+Each refused case breaks one thing in a copy of the default (its data, config, model files or
+run) and runs `python -m flows.train_and_export`'s main in-process. The same rules judge every
+case, whatever its message says:
+  1. exit code 2;
+  2. exactly one "train-and-export stopped: <Error>: <message>" line on stderr, and no traceback
+     anywhere in the output (fd-level capture: Prefect's log handlers included);
+  3. the message names what was wrong: the file, key or value the case broke (`names`);
+  4. the message says how to fix it: it holds one of FIX_WORDS;
+  5. the hand-off directory (holding an earlier bundle and `latest`) is byte-identical after,
+     and no adapter was trained.
+Accepted cases are inputs users have that must simply work (other encodings, compression,
+OpenAI message fields): they must read to exactly the samples of the plain UTF-8 file.
+Adding a case is one line in CASES. The suite writes tests/reliability_summary.json (cases tried
+and passed per category), which the README's reliability section quotes.
+"""
+
+from __future__ import annotations
+
+import codecs
+import gzip
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, write_config
+
+pytestmark = pytest.mark.slow
+
+FIX_WORDS = ("set ", "use ", "add ", "remove", "point ", "download", "restore", "raise ", "run ", "fix ", "give ", "copy ",
+             "free ", "rename", "pass ", "save ", "convert", "choose", "install", "re-export", "did you mean", "replace", "lower ",
+             "split ", "compress", "merge them", "wait ", "start ", "rerun", "finish", "keys are", "valid keys", "must look like",
+             "add it", "drop", "truncate", "a larger", "another --run-id", "a new --run-id", "a plain name")
+SUMMARY = REPO / "tests" / "reliability_summary.json"
+RESULTS: Counter = Counter()
+TRIED: Counter = Counter()
+
+
+@dataclass
+class Case:
+    category: str
+    name: str
+    setup: object           # (ws) -> None: breaks the workspace
+    names: str              # what the message must name (a file name, a key, a value)
+    args: tuple = ()        # extra CLI arguments
+
+
+class Workspace:
+    """A copy of the default (model, data, config) under tmp, with an earlier bundle already published."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.model = tmp / "model"
+        shutil.copytree(REPO / "assets" / "tiny-llama", self.model)
+        self.data = tmp / "data"
+        self.data.mkdir()
+        for f in ("translate_train.jsonl", "translate_eval.jsonl"):
+            shutil.copy(REPO / "assets" / "data" / f, self.data / f)
+        self.sections: dict = {"model": {"name_or_path": str(self.model)},
+                               "data": {"train_file": str(self.train), "eval_file": str(self.eval)},
+                               "training": {"max_steps": 5, "save_steps": 5}}
+        bundle = tmp / "handoff" / "tiny-llama-translate" / "v0"
+        bundle.mkdir(parents=True)
+        (bundle / "model-Q4_K_M.gguf").write_bytes(b"earlier bundle")
+        (bundle / "SHA256SUMS").write_text("x  model-Q4_K_M.gguf\n")
+        (bundle.parent / "latest").symlink_to("v0")
+
+    @property
+    def train(self) -> Path:
+        return self.data / "translate_train.jsonl"
+
+    @property
+    def eval(self) -> Path:
+        return self.data / "translate_eval.jsonl"
+
+    @property
+    def config(self) -> Path:
+        return self.tmp / "config.yaml"
+
+    def set(self, section: str, **values) -> None:
+        self.sections.setdefault(section, {}).update(values)
+
+    def write(self) -> Path:
+        return write_config(self.tmp, **self.sections)
+
+    def lines(self, *objs) -> None:
+        self.train.write_text("".join((o if isinstance(o, str) else json.dumps(o)) + "\n" for o in objs))
+
+
+def tree_hash(root: Path) -> str:
+    h = hashlib.sha256()
+    for p in sorted(root.rglob("*")):
+        h.update(str(p.relative_to(root)).encode())
+        h.update(os.readlink(p).encode() if p.is_symlink() else p.read_bytes() if p.is_file() else b"dir")
+    return h.hexdigest()
+
+
+GOOD = {"prompt": "Translate to French: red cat", "completion": "rouge chat"}
+
+
+def _raw_config(ws: Workspace, mutate) -> None:
+    """Write the config, then edit its text (for what YAML itself must refuse)."""
+    ws.write()
+    ws.config.write_text(mutate(ws.config.read_text()))
+    ws.sections = None  # written: leave it as it is
+
+
+def _model_config(ws: Workspace, **changes) -> None:
+    c = json.loads((ws.model / "config.json").read_text())
+    c.update(changes)
+    (ws.model / "config.json").write_text(json.dumps(c))
+
+
+def _safetensors(ws: Workspace) -> Path:
+    return ws.model / "model.safetensors"
+
+
+def _truncate(path: Path, keep: float) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: int(len(data) * keep)])
+
+
+def _published(ws: Workspace) -> None:
+    (ws.tmp / "handoff" / "tiny-llama-translate" / "taken").mkdir()
+
+
+def _other_config(ws: Workspace) -> None:
+    run = ws.tmp / "artifacts" / "runs" / "mixed"
+    run.mkdir(parents=True)
+    (run / "config.yaml").write_text("training: {max_steps: 7}\n")
+
+
+CASES = [
+    # data
+    Case("data", "line that is not JSON", lambda ws: ws.lines(GOOD, '{"prompt": "a"'), "translate_train.jsonl:2"),
+    Case("data", "empty file", lambda ws: ws.train.write_text(""), "translate_train.jsonl"),
+    Case("data", "only blank lines", lambda ws: ws.train.write_text("\n\n  \n"), "translate_train.jsonl"),
+    Case("data", "unknown role", lambda ws: ws.lines({"messages": [{"role": "robot", "content": "x"}, {"role": "assistant", "content": "y"}]}),
+         "translate_train.jsonl:1"),
+    Case("data", "misspelt role", lambda ws: ws.lines(GOOD, {"messages": [{"role": "user", "content": "x"}, {"role": "assitant", "content": "y"}]}),
+         "translate_train.jsonl:2"),
+    Case("data", "no assistant turn", lambda ws: ws.lines({"messages": [{"role": "user", "content": "hello"}]}), "translate_train.jsonl:1"),
+    Case("data", "empty assistant turn", lambda ws: ws.lines({"prompt": "a", "completion": "  "}), "translate_train.jsonl:1"),
+    Case("data", "neither messages nor prompt", lambda ws: ws.lines({"question": "a", "answer": "b"}), "translate_train.jsonl:1"),
+    Case("data", "a JSON array file", lambda ws: ws.train.write_text(json.dumps([GOOD, GOOD], indent=2)), "JSON array"),
+    Case("data", "a one-line JSON array", lambda ws: ws.train.write_text(json.dumps([GOOD, GOOD]) + "\n"), "JSON array"),
+    Case("data", "invalid UTF-8 bytes", lambda ws: ws.train.write_bytes(json.dumps(GOOD).encode() + b"\n" + b'{"prompt": "\xff", "completion": "x"}\n'),
+         "translate_train.jsonl:2"),
+    Case("data", "a line over the size limit", lambda ws: ws.train.write_bytes(b'{"prompt": "' + b"a" * (17 * 2**20) + b'", "completion": "x"}\n'),
+         "translate_train.jsonl:1"),
+    Case("data", "damaged gzip", lambda ws: ws.train.write_bytes(gzip.compress(json.dumps(GOOD).encode())[:20]), "gzip"),
+    Case("data", "messages is not a list", lambda ws: ws.lines({"messages": "hello"}), "translate_train.jsonl:1"),
+    Case("data", "content is not text", lambda ws: ws.lines({"messages": [{"role": "user", "content": 7}, {"role": "assistant", "content": "y"}]}),
+         "translate_train.jsonl:1"),
+    Case("data", "unsupported message field", lambda ws: ws.lines({"messages": [{"role": "user", "content": "x"},
+                                                                   {"role": "assistant", "content": "y", "weight": 0}]}), "weight"),
+    Case("data", "a line that is a number", lambda ws: ws.lines(GOOD, "42"), "translate_train.jsonl:2"),
+    Case("data", "binary garbage", lambda ws: ws.train.write_bytes(bytes(range(256)) * 4), "translate_train.jsonl"),
+    Case("data", "CSV named .jsonl", lambda ws: ws.train.write_text("prompt,completion\nred cat,rouge chat\n"), "translate_train.jsonl:1"),
+    Case("data", "sample over max_length", lambda ws: ws.lines(GOOD, {"prompt": "Translate to French: " + "red " * 200, "completion": "rouge"}),
+         "translate_train.jsonl:2"),
+    Case("data", "every sample dropped", lambda ws: ws.set("data", max_length=4, long_sample_policy="drop"), "data.max_length"),
+    Case("data", "train_file is a directory", lambda ws: ws.set("data", train_file=str(ws.data)), "data.train_file"),
+    Case("data", "train_file missing", lambda ws: ws.set("data", train_file=str(ws.data / "nope.jsonl")), "nope.jsonl"),
+    Case("data", "eval_file missing", lambda ws: ws.set("data", eval_file=str(ws.data / "gone.jsonl")), "gone.jsonl"),
+    Case("data", "eval_file not JSON", lambda ws: ws.eval.write_text('{"prompt": "a", "completion": "b"}\n{oops\n'), "translate_eval.jsonl:2"),
+    Case("data", "eval_file empty", lambda ws: ws.eval.write_text(""), "translate_eval.jsonl"),
+    Case("data", "eval_file without answers", lambda ws: ws.eval.write_text(json.dumps({"messages": [{"role": "user", "content": "x"}]}) + "\n"),
+         "translate_eval.jsonl:1"),
+    # config
+    Case("config", "unknown key", lambda ws: ws.set("lora", rank=8), "lora.rank"),
+    Case("config", "misspelt section", lambda ws: ws.set("trainng", max_steps=3), "trainng"),
+    Case("config", "wrong type", lambda ws: ws.set("lora", r="sixteen"), "lora.r"),
+    Case("config", "out of range", lambda ws: ws.set("training", learning_rate=5), "learning_rate"),
+    Case("config", "zero steps", lambda ws: ws.set("training", max_steps=0), "max_steps"),
+    Case("config", "unsafe model name", lambda ws: ws.set("handoff", model_name="../escape"), "model_name"),
+    Case("config", "section given twice", lambda ws: _raw_config(ws, lambda t: t + "training:\n  max_steps: 9\n"), "training"),
+    Case("config", "key given twice", lambda ws: _raw_config(ws, lambda t: t.replace("  max_steps: 5\n", "  max_steps: 5\n  max_steps: 6\n")),
+         "max_steps"),
+    Case("config", "lower-case threshold key", lambda ws: ws.set("export", fidelity={"min_top1": {"q4_k_m": 0.9}}), "q4_k_m"),
+    Case("config", "unknown quant type", lambda ws: ws.set("export", quant_types=["Q4_K_X"]), "Q4_K_X"),
+    Case("config", "override without =", lambda ws: None, "training.max_steps", args=("--set", "training.max_steps")),
+    Case("config", "override of an unknown key", lambda ws: None, "training.max_stesp", args=("--set", "training.max_stesp=3")),
+    Case("config", "config is a list", lambda ws: _raw_config(ws, lambda t: "- model\n- data\n"), "config.yaml"),
+    Case("config", "config is not YAML", lambda ws: _raw_config(ws, lambda t: t + "lora: [unclosed\n"), "config.yaml"),
+    Case("config", "config is not UTF-8", lambda ws: (ws.write(), ws.config.write_bytes(ws.config.read_bytes() + "# caf\xe9\n".encode("latin-1")),
+                                                      setattr(ws, "sections", None)), "config.yaml"),
+    Case("config", "artifacts_dir is a file", lambda ws: ((ws.tmp / "afile").write_text("x"), ws.sections.update(artifacts_dir=str(ws.tmp / "afile"))),
+         "artifacts_dir"),
+    Case("config", "exact smoke check without eval data", lambda ws: ws.set("data", eval_file=None), "eval_file"),
+    Case("config", "no target modules", lambda ws: ws.set("lora", target_modules=[]), "target_modules"),
+    Case("config", "target modules the model lacks", lambda ws: ws.set("lora", target_modules=["c_attn"]), "c_attn"),
+    Case("config", "unknown dtype", lambda ws: ws.set("model", torch_dtype="bf16"), "torch_dtype"),
+    Case("config", "unknown long-sample policy", lambda ws: ws.set("data", long_sample_policy="cut"), "long_sample_policy"),
+    Case("config", "a budget the weights do not fit", lambda ws: ws.set("preflight", gpu_memory_gib=0.004), "weights"),
+    Case("config", "a budget the step does not fit", lambda ws: ws.set("preflight", gpu_memory_gib=0.02), "per_device_train_batch_size"),
+    Case("config", "smoke context shorter than the prompts", lambda ws: ws.set("smoke", n_ctx=20), "smoke.n_ctx"),
+    # model files
+    Case("model", "model directory missing", lambda ws: shutil.rmtree(ws.model), "model"),
+    Case("model", "no config.json", lambda ws: (ws.model / "config.json").unlink(), "config.json"),
+    Case("model", "pickle weights only", lambda ws: (_safetensors(ws).unlink(), (ws.model / "pytorch_model.bin").write_bytes(b"\x80\x04pickle")),
+         "safetensors"),
+    Case("model", "truncated weights", lambda ws: _truncate(_safetensors(ws), 0.6), "model.safetensors"),
+    Case("model", "git-lfs pointer instead of weights", lambda ws: _safetensors(ws).write_text(
+        "version https://git-lfs.github.com/spec/v1\noid sha256:4d7a\nsize 3609272\n"), "git-lfs"),
+    Case("model", "weights header cut short", lambda ws: _truncate(_safetensors(ws), 0.0001), "model.safetensors"),
+    Case("model", "truncated config.json", lambda ws: _truncate(ws.model / "config.json", 0.5), "config.json"),
+    Case("model", "config.json is a list", lambda ws: (ws.model / "config.json").write_text("[1, 2]"), "config.json"),
+    Case("model", "made-up architecture", lambda ws: _model_config(ws, model_type="madeupformer", architectures=["MadeUpForCausalLM"]),
+         "madeupformer"),
+    Case("model", "config of another family", lambda ws: _model_config(ws, model_type="mamba", architectures=["MambaForCausalLM"],
+                                                                      vocab_size=50280, hidden_size=768), "config"),
+    Case("model", "hidden size contradicts the weights", lambda ws: _model_config(ws, hidden_size=512), "hidden_size"),
+    Case("model", "layer count contradicts the weights", lambda ws: _model_config(ws, num_hidden_layers=4), "num_hidden_layers"),
+    Case("model", "vocabulary contradicts the weights", lambda ws: _model_config(ws, vocab_size=32000), "vocab_size"),
+    Case("model", "tokenizer files missing", lambda ws: (ws.model / "tokenizer.model").unlink(), "tokenizer"),
+    Case("model", "tokenizer file corrupted", lambda ws: (ws.model / "tokenizer.model").write_bytes(os.urandom(512)), "tokenizer"),
+    Case("model", "no chat template", lambda ws: (ws.model / "tokenizer_config.json").write_text(json.dumps(
+        {k: v for k, v in json.loads((ws.model / "tokenizer_config.json").read_text()).items() if k != "chat_template"})), "chat template"),
+    Case("model", "shard index names a missing shard", lambda ws: (ws.model / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {"lm_head.weight": "model-00002-of-00002.safetensors"}})), "model-00002-of-00002.safetensors"),
+    # runs
+    Case("run", "run id climbing out", lambda ws: None, "../escape", args=("--run-id", "../escape")),
+    Case("run", "run id with a slash", lambda ws: None, "a/b", args=("--run-id", "a/b")),
+    Case("run", "run id already published", _published, "taken", args=("--run-id", "taken")),
+    Case("run", "run id of another config", _other_config, "mixed", args=("--run-id", "mixed")),
+]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def summary():
+    yield
+    by = sorted(set(TRIED))
+    SUMMARY.write_text(json.dumps({"categories": {c: {"tried": TRIED[c], "passed": RESULTS[c]} for c in by},
+                                   "tried": sum(TRIED.values()), "passed": sum(RESULTS.values())}, indent=1) + "\n")
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"{c.category}: {c.name}" for c in CASES])
+def test_refused_with_one_clear_message(case, tmp_path, capfd, prefect_harness):
+    from flows.train_and_export import main
+
+    TRIED[case.category] += 1
+    ws = Workspace(tmp_path)
+    case.setup(ws)
+    if ws.sections is not None:
+        ws.write()
+    handoff = tree_hash(tmp_path / "handoff")
+    code = main(["--config", str(ws.config), *case.args])
+    out, err = capfd.readouterr()
+    stopped = [line for line in err.splitlines() if line.startswith("train-and-export stopped: ")]
+    assert code == 2, (code, err[-2000:])
+    assert len(stopped) == 1 and "Traceback" not in out + err, (out + err)[-3000:]
+    message = err[err.index(stopped[0]):]
+    assert case.names.lower() in message.lower(), f"the message does not name {case.names!r}: {message}"
+    assert any(w in message.lower() for w in FIX_WORDS), f"the message says no fix: {message}"
+    assert tree_hash(tmp_path / "handoff") == handoff, "the hand-off directory changed"
+    assert not list((tmp_path / "artifacts").glob("runs/*/train/adapter")), "an adapter was trained"
+    RESULTS[case.category] += 1
+
+
+ACCEPTED = {
+    "UTF-8 with a byte-order mark": lambda text: codecs.BOM_UTF8 + text.encode(),
+    "UTF-16 LE with a byte-order mark (Windows redirect)": lambda text: text.encode("utf-16"),
+    "UTF-16 BE with a byte-order mark": lambda text: codecs.BOM_UTF16_BE + text.encode("utf-16-be"),
+    "gzip, .jsonl name": lambda text: gzip.compress(text.encode()),
+    "CRLF line ends": lambda text: text.replace("\n", "\r\n").encode(),
+    "trailing blank lines": lambda text: (text + "\n\n\n").encode(),
+}
+
+
+@pytest.mark.parametrize("form", sorted(ACCEPTED))
+def test_accepted_as_the_plain_file(form, tmp_path):
+    from stages import data
+
+    TRIED["data (accepted)"] += 1
+    rows = [GOOD, {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Translate: vert", "name": "ana"},
+                                {"role": "assistant", "content": "vert é"}]}]
+    text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
+    plain, other = tmp_path / "plain.jsonl", tmp_path / "other.jsonl"
+    plain.write_text(text, encoding="utf-8")
+    other.write_bytes(ACCEPTED[form](text))
+    assert [s.messages for s in data.read_jsonl(other)] == [s.messages for s in data.read_jsonl(plain)]
+    RESULTS["data (accepted)"] += 1
+
+
+def test_gzip_with_gz_suffix_and_openai_names_train(tmp_path, capfd, prefect_harness):
+    """A .jsonl.gz with OpenAI `name` fields goes through preflight like the plain file."""
+    from stages import preflight
+    from stages.config import load_config
+
+    TRIED["data (accepted)"] += 1
+    ws = Workspace(tmp_path)
+    gz = ws.data / "train.jsonl.gz"
+    lines = [json.loads(x) for x in ws.train.read_text().splitlines()[:200]]
+    for row in lines:
+        for m in row.get("messages", []):
+            m["name"] = "someone"
+    gz.write_bytes(gzip.compress("".join(json.dumps(r) + "\n" for r in lines).encode()))
+    ws.set("data", train_file=str(gz))
+    result = preflight.run(load_config(ws.write()), tmp_path / "pre")
+    assert result.fits and result.lengths.n_samples == 200
+    RESULTS["data (accepted)"] += 1
+
+
+def test_full_disk_during_export_leaves_nothing_partial(tmp_path, capfd, prefect_harness, monkeypatch):
+    """ENOSPC while a quantized file is written: one message naming the disk, no *.partial left, nothing published."""
+    from flows.train_and_export import main
+
+    TRIED["faults"] += 1
+    ws = Workspace(tmp_path)
+    ws.set("smoke", min_accuracy=0.0, max_prompts=5)
+    ws.write()
+    handoff = tree_hash(tmp_path / "handoff")
+    monkeypatch.setenv("TAE_INJECT", "export-quantize")
+    code = main(["--config", str(ws.config), "--run-id", "full"])
+    out, err = capfd.readouterr()
+    assert code == 2 and "Traceback" not in out + err, err[-3000:]
+    assert re.search(r"stopped: DiskFull: no space left on the device of .* while writing .*model-Q4_K_M\.gguf\.partial .*free", err), err[-2000:]
+    assert not list((tmp_path / "artifacts").rglob("*.partial"))
+    assert tree_hash(tmp_path / "handoff") == handoff
+    # the disk freed, the same run id resumes: training is not redone, and it publishes
+    monkeypatch.delenv("TAE_INJECT")
+    assert main(["--config", str(ws.config), "--run-id", "full"]) == 0
+    bundle = tmp_path / "handoff" / "tiny-llama-translate" / "full"
+    subprocess.run(["sha256sum", "-c", "SHA256SUMS"], cwd=bundle, check=True, capture_output=True)
+    RESULTS["faults"] += 1
+
+
+def test_a_run_id_in_use_is_refused_at_once(tmp_path, capfd, prefect_harness):
+    from flows.train_and_export import main
+    from stages.config import load_config
+    from stages.paths import RunPaths
+
+    TRIED["faults"] += 1
+    ws = Workspace(tmp_path)
+    paths = RunPaths.for_run(load_config(ws.write()), "busy")
+    with paths.lock():
+        code = main(["--config", str(ws.config), "--run-id", "busy"])
+    err = capfd.readouterr().err
+    assert code == 2 and re.search(r"stopped: RunError: run busy is in use by pid \d+ since .*another --run-id", err), err[-2000:]
+    RESULTS["faults"] += 1
+
+
+def test_after_the_artifacts_are_deleted_a_rerun_runs_again(tmp_path, capfd, prefect_harness):
+    """Prefect's cached stage results are used only while the stage's files are there."""
+    from flows.train_and_export import main
+
+    TRIED["faults"] += 1
+    ws = Workspace(tmp_path)
+    ws.set("smoke", min_accuracy=0.0, max_prompts=5)
+    ws.write()
+    (tmp_path / "handoff" / "tiny-llama-translate" / "latest").unlink()
+    shutil.rmtree(tmp_path / "handoff")
+    assert main(["--config", str(ws.config), "--run-id", "again", "--set", "handoff.model_name=first"]) == 0
+    shutil.rmtree(tmp_path / "artifacts")
+    assert main(["--config", str(ws.config), "--run-id", "again", "--set", "handoff.model_name=second"]) == 0, capfd.readouterr().err[-3000:]
+    assert (tmp_path / "handoff" / "second" / "again" / "SHA256SUMS").is_file()
+    RESULTS["faults"] += 1
+
+
+def test_killed_flow_leaves_no_process_and_ctrl_c_says_how_to_resume(tmp_path):
+    """kill -9 of the flow process: its temporary API server goes too. Ctrl-C: exit 130 within seconds, one
+    line naming the command that resumes, no traceback."""
+    import signal
+    import time
+
+    import psutil
+
+    TRIED["faults"] += 2
+    ws = Workspace(tmp_path)
+    ws.set("training", max_steps=100000, save_steps=1000)
+    ws.write()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")} | {
+        "PREFECT_HOME": str(tmp_path / "prefect"), "TAE_GPU_LOCK": str(tmp_path / "gpu.lock")}
+
+    def start():
+        p = subprocess.Popen([sys.executable, "-m", "flows.train_and_export", "--config", str(ws.config)], cwd=tmp_path, env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        seen = []
+        for line in p.stdout:
+            seen.append(line)
+            if "train: " in line:
+                return p, seen
+        raise AssertionError("".join(seen)[-3000:])
+
+    p, _ = start()
+    kids = [k for k in psutil.Process(p.pid).children(recursive=True) if "uvicorn" in " ".join(k.cmdline())]
+    assert kids, "no temporary API server seen"
+    p.kill()
+    p.wait()
+    gone = psutil.wait_procs(kids, timeout=15)[1] == []
+    assert gone, [k.cmdline() for k in kids if k.is_running()]
+    RESULTS["faults"] += 1
+
+    p, _ = start()
+    t0 = time.monotonic()
+    os.killpg(p.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole foreground group
+    rest = p.stdout.read()
+    p.wait()
+    assert p.returncode == 130 and time.monotonic() - t0 < 30, (p.returncode, rest[-2000:])
+    assert "Traceback" not in rest and re.search(r"interrupted\. Nothing was published; to resume: python -m flows\.train_and_export .*--run-id \S+", rest)
+    RESULTS["faults"] += 1
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> bytes:
+    """The adapter of an uninterrupted run of the kill tests' config."""
+    tmp = tmp_path_factory.mktemp("straight")
+    ws = _kill_workspace(tmp)
+    p = subprocess.run([sys.executable, "-m", "flows.train_and_export", "--config", str(ws.config), "--run-id", "straight"],
+                       cwd=tmp, env=_isolated_env(tmp), capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    return (tmp / "artifacts" / "runs" / "straight" / "train" / "adapter" / "adapter_model.safetensors").read_bytes()
+
+
+def _kill_workspace(tmp: Path) -> Workspace:
+    ws = Workspace(tmp)
+    ws.set("training", max_steps=20, save_steps=10)
+    ws.set("smoke", min_accuracy=0.0, max_prompts=5)
+    ws.write()
+    return ws
+
+
+def _isolated_env(tmp: Path) -> dict:
+    """A user's shell: no Prefect server, no test hooks, this test's own Prefect home and GPU lock."""
+    return {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "TAE_INJECT"))} | {
+        "PREFECT_HOME": str(tmp / "prefect"), "TAE_GPU_LOCK": str(tmp / "gpu.lock")}
+
+
+@pytest.mark.parametrize("point", ["train", "export-quantize", "handoff-copy"])
+def test_kill_9_then_the_same_run_id_publishes_a_verified_bundle(point, tmp_path, uninterrupted):
+    """The flow process killed outright in training, in the middle of a quantization and halfway through
+    copying the bundle; the rerun with the same --run-id resumes, publishes a bundle that passes
+    `sha256sum -c`, leaves no partial file or hidden temp dir, and trains the same adapter as an
+    uninterrupted run (training resumes from its checkpoint, the rest from the stage outputs)."""
+    import signal
+    import time
+
+    TRIED["faults"] += 1
+    ws = _kill_workspace(tmp_path)
+    env = _isolated_env(tmp_path)
+    cmd = [sys.executable, "-m", "flows.train_and_export", "--config", str(ws.config), "--run-id"]
+
+    def run(run_id: str, inject: str | None = None, kill_on: str | None = None) -> subprocess.CompletedProcess | int:
+        if kill_on is None:
+            return subprocess.run([*cmd, run_id], cwd=tmp_path, env=env | ({"TAE_INJECT": inject} if inject else {}),
+                                  capture_output=True, text=True, timeout=600)
+        p = subprocess.Popen([*cmd, run_id], cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        marker = tmp_path / "artifacts" / "runs" / run_id / kill_on
+        while not marker.exists() and p.poll() is None:  # killed once training wrote its first checkpoint
+            time.sleep(0.05)
+        p.send_signal(signal.SIGKILL)
+        return p.wait()
+
+    if point == "train":
+        assert run("k", kill_on="train/checkpoints/checkpoint-10/trainer_state.json") == -signal.SIGKILL
+    else:
+        assert run("k", inject=f"{point}:kill").returncode == -signal.SIGKILL
+    again = run("k")
+    assert again.returncode == 0, (again.stdout + again.stderr)[-3000:]
+    bundle = tmp_path / "handoff" / "tiny-llama-translate" / "k"
+    subprocess.run(["sha256sum", "-c", "SHA256SUMS"], cwd=bundle, check=True, capture_output=True)
+    assert not list((tmp_path / "artifacts").rglob("*.partial")) and not list(bundle.parent.glob(".k.*"))
+    assert (tmp_path / "artifacts" / "runs" / "k" / "train" / "adapter" / "adapter_model.safetensors").read_bytes() == uninterrupted
+    RESULTS["faults"] += 1
+
+
+ENTRY_POINTS = [
+    ("stages.preflight", ["--config", "{config}"], lambda ws: ws.lines(GOOD, '{"prompt": "a"'), "translate_train.jsonl:2"),
+    ("stages.train", ["--config", "{config}", "--set", "training.max_stesp=3"], lambda ws: None, "training.max_stesp"),
+    ("stages.merge", ["--config", "{config}", "--adapter", "{tmp}/nowhere", "--out", "{tmp}/m"], lambda ws: None, "nowhere"),
+    ("stages.export", ["--config", "{config}", "--merged", "{tmp}/nothing", "--out", "{tmp}/e"], lambda ws: None, "nothing"),
+    ("stages.smoke", ["--config", "{config}", "--gguf", "{tmp}/x.gguf", "--out", "{tmp}/s"], lambda ws: None, "x.gguf"),
+    ("stages.smoke", ["--config", "{config}", "--gguf", "{tmp}/y.gguf", "--out", "{tmp}/s"],
+     lambda ws: ((ws.tmp / "y.gguf").write_bytes(b"GGUF"), ws.set("smoke", n_ctx=20)), "smoke.n_ctx"),
+    ("flows.deploy", ["notify", "--config", "{config}"], lambda ws: None, "PREFECT_API_URL"),
+]
+
+
+@pytest.mark.parametrize("module,args,setup,names", ENTRY_POINTS, ids=[f"{e[0]}: {e[3]}" for e in ENTRY_POINTS])
+def test_every_entry_point_has_the_same_boundary(module, args, setup, names, tmp_path):
+    """Each stage's CLI and flows.deploy, started as users start them: exit 2, one line, no traceback."""
+    TRIED["entry points"] += 1
+    ws = Workspace(tmp_path)
+    setup(ws)
+    ws.write()
+    argv = [a.format(config=ws.config, tmp=tmp_path) for a in args]
+    p = subprocess.run([sys.executable, "-m", module, *argv], cwd=tmp_path, env=_isolated_env(tmp_path), capture_output=True,
+                       text=True, timeout=300)
+    stopped = [line for line in p.stderr.splitlines() if " stopped: " in line]
+    assert p.returncode == 2 and len(stopped) == 1 and "Traceback" not in p.stdout + p.stderr, (p.returncode, p.stderr[-2000:])
+    assert names.lower() in p.stderr[p.stderr.index(stopped[0]):].lower(), p.stderr[-2000:]
+    RESULTS["entry points"] += 1
