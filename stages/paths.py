@@ -86,11 +86,13 @@ class RunPaths:
 
 
 def _differences(old_yaml: str, cfg: RunConfig) -> str:
+    """The dotted keys whose values differ between the run's config.yaml and `cfg`."""
     import yaml
 
-    old, new = yaml.safe_load(old_yaml) or {}, json.loads(cfg.model_dump_json())
-    keys = [f"{s}.{k}" for s in sorted(set(old) | set(new)) for k in sorted(set((old.get(s) or {}) if isinstance(old.get(s), dict) else {})
-            | set(new.get(s) or {} if isinstance(new.get(s), dict) else {}))
-            if isinstance(old.get(s), dict) and isinstance(new.get(s), dict) and old[s].get(k) != new[s].get(k)]
-    keys += [s for s in sorted(set(old) | set(new)) if not isinstance(new.get(s), dict) and old.get(s) != new.get(s)]
+    def flat(d, prefix=""):
+        return {k: v for key, val in (d or {}).items()
+                for k, v in (flat(val, f"{prefix}{key}.").items() if isinstance(val, dict) else [(f"{prefix}{key}", val)])}
+
+    old, new = flat(yaml.safe_load(old_yaml)), flat(json.loads(cfg.model_dump_json()))
+    keys = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k))
     return "changed: " + ", ".join(keys[:8]) + (" ..." if len(keys) > 8 else "") if keys else "changed"
