@@ -45,14 +45,14 @@ CUBLAS_WORKSPACE = 64 * 2**20  # cuBLAS's workspaces in torch's allocator: what 
 LOSS_H = 3  # hidden-sized tensors around Liger's loss: the final hidden states, their norm, the input gradient it computes in forward
 # Fitted by bench/fit_memory.py to the default-settings grid (bench/results/memory_grid_raw_run*.jsonl).
 COEF = dict(
-    layer_h=5.765,        # x T*H*act: hidden-sized tensors and grads of the layer being back-propagated (beyond its input)
+    layer_h=5.765,      # x T*H*act: hidden-sized tensors and grads of the layer being back-propagated (beyond its input)
     layer_kv=2.0,       # x T*KV*act: its key/value-sized ones
-    layer_i=3.081,        # x T*I*act: its intermediate-sized ones, untiled (SwiGLU's gate and up, the product's grad)
-    tiled_h=4.63,        # x T*H*act: with the tiled MLP instead: its saved input and the input grad it accumulates
-    tile_i=0.175,         # x shard*I*act: one tiled-MLP shard recomputed and back-propagated
-    nf4_i=0.894,          # x T*I*act: QLoRA, untiled: one more intermediate-sized tensor than 16-bit LoRA (measured, not traced)
-    nf4_tiled_h=-1.436,    # x T*H*act: QLoRA, tiled: hidden-sized difference to 16-bit LoRA (measured)
-    mask=4.519,           # bytes per element of the batch x seq x seq padding mask
+    layer_i=3.081,      # x T*I*act: its intermediate-sized ones, untiled (SwiGLU's gate and up, the product's grad)
+    tiled_h=4.63,       # x T*H*act: with the tiled MLP instead: its saved input and the input grad it accumulates
+    tile_i=0.175,       # x shard*I*act: one tiled-MLP shard recomputed and back-propagated
+    nf4_i=0.894,        # x T*I*act: QLoRA, untiled: one more intermediate-sized tensor than 16-bit LoRA (measured, not traced)
+    nf4_tiled_h=-1.436, # x T*H*act: QLoRA, tiled: hidden-sized difference to 16-bit LoRA (measured)
+    mask=4.519,         # bytes per element of the batch x seq x seq padding mask
     slack_gib=0.125,    # allocator: what a capped run cannot give back (partly used pages, the small-block pool)
     slack=0.01,         # allocator: as a fraction of the step's activations
     logits=14.07,       # bytes per logit element, plain cross-entropy (bf16 logits, fp32 upcast, fp32 grad; earlier grid)
@@ -170,8 +170,9 @@ def run(cfg: RunConfig, out_dir: Path, gpu_memory_gib: float | None = None) -> P
     out_dir = Path(out_dir)
     with memory.track("preflight", out_dir) as meter:
         shapes = Shapes.from_config(json.loads((resolve_model_dir(cfg.model.name_or_path) / "config.json").read_text()))
-        lengths = scan_lengths(cfg)
-        check_held_out(cfg)  # what merge, export and smoke will read: its problems stop the run now, not after training
+        tokenizer = load_tokenizer(cfg.model)
+        lengths = scan_lengths(cfg, tokenizer)
+        check_held_out(cfg, tokenizer)  # what merge, export and smoke will read: its problems stop the run now, not after training
         device, budget = _budget(gpu_memory_gib or cfg.preflight.gpu_memory_gib)
         on_gpu = device != "cpu"
         # The CUDA context (driver, kernels) lives outside torch's allocator, which is what
@@ -266,18 +267,17 @@ def probe(cfg: RunConfig, worst_len: int, cap_gib: float, out_dir: Path, model=N
     return ProbeResult(ok, round(peak_reserved, 4), round(peak_alloc, 4), round(cap_gib, 3), batch, postmortem, error)
 
 
-def check_held_out(cfg: RunConfig) -> None:
+def check_held_out(cfg: RunConfig, tokenizer) -> None:
     """The held-out file parses, renders with the chat template, and its prompts fit the smoke test's context."""
     from stages import smoke
 
-    tokenizer = load_tokenizer(cfg.model)
     samples = data.held_out(cfg, max(cfg.smoke.max_prompts, cfg.export.fidelity.samples, cfg.merge.samples))
     data.tokenize(samples, tokenizer, 1 << 30, "error")
     smoke.check_context(cfg, tokenizer)
 
 
-def scan_lengths(cfg: RunConfig) -> LengthScan:
-    tokenizer = load_tokenizer(cfg.model)
+def scan_lengths(cfg: RunConfig, tokenizer=None) -> LengthScan:
+    tokenizer = tokenizer or load_tokenizer(cfg.model)
     tok = data.tokenize(data.read_jsonl(cfg.data.train_file), tokenizer, cfg.data.max_length, cfg.data.long_sample_policy)
     ls = sorted(tok.lengths)
 
@@ -290,7 +290,8 @@ def scan_lengths(cfg: RunConfig) -> LengthScan:
 
 
 def estimate(cfg: RunConfig, s: Shapes, seq: int, on_gpu: bool, coef: dict | None = None) -> Estimate:
-    """Peak memory (torch's reserved, on a GPU) of one optimizer step on a micro-batch padded to `seq` tokens.
+    """Memory one optimizer step on a micro-batch padded to `seq` tokens needs: on a GPU, the smallest cap
+    under which it runs (its peak allocated plus the allocator's slack; bench/results/cap_at_estimate.json).
 
     Counted from what each piece of the training stage keeps, with the settings it resolves
     (`train.resolve_auto`: host embeddings, offloaded layer inputs, Liger kernels, 8-bit
@@ -312,8 +313,8 @@ def estimate(cfg: RunConfig, s: Shapes, seq: int, on_gpu: bool, coef: dict | Non
                   cross-entropy), one chunk of logits; plain, the whole tokens x vocab
                   logits in 16 and 32 bits
       mask        the 4-D padding mask of a padded micro-batch (batch x seq x seq)
-      allocator   reserved - allocated: blocks of one layer's working set the caching
-                  allocator cannot reuse for the next request
+      allocator   the slack a capped run cannot give back (partly used pages, the small-block
+                  pool); what an uncapped run reserves beyond that is returned under a cap
     Coefficients (COEF) are fitted to the measured grid (bench/fit_memory.py), one per
     mechanism, not per shape.
     """
@@ -354,7 +355,7 @@ def estimate(cfg: RunConfig, s: Shapes, seq: int, on_gpu: bool, coef: dict | Non
         else:
             layer = tokens * act * (k["layer_h"] * h + k["layer_kv"] * kv + (k["layer_i"] + nf4 * k["nf4_i"]) * i)
         layer += dropout
-        if q.load_in_4bit:  # bitsandbytes dequantizes the weight to compute the input gradient
+        if nf4:  # bitsandbytes dequantizes the weight to compute the input gradient
             layer += max(a * o for a, o in lin.values()) * act
     else:
         kept = s.layers * (tokens * act * (k["layer_h"] * h + k["layer_kv"] * kv + k["layer_i"] * i) + dropout)
