@@ -50,7 +50,7 @@ def main() -> None:
     from memory_grid import run_config
     from preflight_grid import make_checkpoint
 
-    from stages import memory, preflight, train
+    from stages import kernels, lora_model, memory, memory_model, preflight
 
     out = []
     if a.at_estimate:
@@ -61,10 +61,10 @@ def main() -> None:
                 continue
             model_dir = make_checkpoint(shape, Path("/tmp/bench-models"))
             cfg = run_config(model_dir, quant, 64, ["q_proj", "v_proj", "o_proj"], seq, mb)
-            shapes = preflight.Shapes.from_config(_json.loads((model_dir / "config.json").read_text()))
-            est = preflight.estimate(cfg, shapes, seq, on_gpu=True).total_gib
-            model = train.build_model(cfg)
-            train.tile_mlp(model, on=train.tiled_mlp(cfg))
+            shapes = memory_model.Shapes.from_config(_json.loads((model_dir / "config.json").read_text()))
+            est = memory_model.estimate(cfg, shapes, seq, on_gpu=True).total_gib
+            model = lora_model.build_model(cfg)
+            kernels.tile_mlp(model, on=kernels.tiled_mlp(cfg))
             for f in FACTORS_AT_ESTIMATE:
                 t0 = time.perf_counter()
                 p = preflight.probe(cfg, seq, est * f, Path("/tmp/cap-probe"), model=model)
@@ -80,7 +80,7 @@ def main() -> None:
     for shape, quant, seq, mb, alloc, reserved in ROWS:
         model_dir = make_checkpoint(shape, Path("/tmp/bench-models"))
         cfg = run_config(model_dir, quant, 64, ["q_proj", "v_proj", "o_proj"], seq, mb)
-        model = train.build_model(cfg)
+        model = lora_model.build_model(cfg)
         for f in FACTORS:
             t0 = time.perf_counter()
             p = preflight.probe(cfg, seq, alloc * f, Path("/tmp/cap-probe"), model=model)

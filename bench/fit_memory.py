@@ -1,11 +1,11 @@
-"""Fit the preflight estimate (stages.preflight.COEF) to the default-settings grid, and report it.
+"""Fit the preflight estimate (stages.memory_model.COEF) to the default-settings grid, and report it.
 
     python bench/fit_memory.py                       # fit on the fitting shapes, report every row
     python bench/fit_memory.py --report              # no fit: the committed COEF against every row
     python bench/fit_memory.py --hold-out llama-3b   # fit without a shape, see how it does there
 
 Reads bench/results/memory_grid_raw_run*.jsonl (bench/memory_grid.py on an H200). The model
-being fitted is stages.preflight.estimate itself, called with candidate coefficients, so the
+being fitted is stages.memory_model.estimate itself, called with candidate coefficients, so the
 formula has one source. The activation coefficients are fitted against the measured peak
 *allocated* (what the tensors take); the allocator's slack on top is not fitted but set from
 bench/cap_check.py (a capped run gives back what an uncapped one over-reserves). Under-estimates
@@ -32,7 +32,7 @@ sys.path.insert(0, str(REPO / "bench"))
 from memory_grid import run_config  # noqa: E402
 from preflight_grid import SHAPES  # noqa: E402
 
-from stages import preflight  # noqa: E402
+from stages import memory_model  # noqa: E402
 
 HELD_OUT = {"smollm2-360m", "qwen2.5-0.5b"}
 # layer_kv stays at its count (the saved keys and values): key/value width is too close to a fixed share of the
@@ -49,19 +49,19 @@ def load_rows() -> list[dict]:
     return [r for r in rows if "error" not in r and r.get("measured_reserved_gib")]
 
 
-def estimate(row: dict, coef: dict) -> preflight.Estimate:
+def estimate(row: dict, coef: dict) -> memory_model.Estimate:
     c = row["config"]
     cfg = run_config(Path("/nonexistent"), c["quant"], c["r"], c["target_modules"], c["seq"], c["micro_batch"])
-    return preflight.estimate(cfg, preflight.Shapes.from_config(SHAPES[c["shape"]]), c["seq"], on_gpu=True, coef=coef)
+    return memory_model.estimate(cfg, memory_model.Shapes.from_config(SHAPES[c["shape"]]), c["seq"], on_gpu=True, coef=coef)
 
 
-def allocated(est: preflight.Estimate) -> float:
+def allocated(est: memory_model.Estimate) -> float:
     return (est.total_gib * GIB - next(v for k, v in est.items_bytes.items() if k.startswith("allocator"))) / GIB
 
 
 def fit(rows: list[dict]) -> dict:
     """The activation coefficients against the measured peak allocated (the allocator's slack is not fitted)."""
-    coef = dict(preflight.COEF)
+    coef = dict(memory_model.COEF)
 
     def residuals(x):
         c = coef | dict(zip(ACTIVATION, x, strict=True))
@@ -125,7 +125,7 @@ def main() -> None:
     held = set(HELD_OUT) if a.hold_out is None else set(a.hold_out)
     HELD_OUT.clear()
     HELD_OUT.update(held)
-    coef = dict(preflight.COEF) if a.report else fit([r for r in rows if r["model"] not in HELD_OUT])
+    coef = dict(memory_model.COEF) if a.report else fit([r for r in rows if r["model"] not in HELD_OUT])
     if not a.report:
         print("COEF:", json.dumps({k: coef[k] for k in ACTIVATION + OVERHEAD}))
     out = report(rows, coef)

@@ -4,9 +4,9 @@
     python3 bench/leak_check.py --out $OUT/leak_check.json --cases --probe-then-train qwen2.5-1.5b:qlora mistral-7b:qlora
 
 For each shape (tied and untied embeddings) and each of LoRA / QLoRA, with every `auto`
-training default on: three times build the stage's model (stages.train.build_model), train
-two optimizer steps through stages.train.make_trainer, free it the way the stages do
-(stages.train.release + memory.free_gpu), and record what torch still has allocated.
+training default on: three times build the stage's model (stages.lora_model.build_model), train
+two optimizer steps through stages.hf_trainer.make_trainer, free it the way the stages do
+(stages.hf_trainer.release + memory.free_gpu), and record what torch still has allocated.
 Pass: allocated after each free within 16 MiB of the figure before the first build.
 
 --diagnose records every allocation of the first cycle (torch.cuda.memory._record_memory_history)
@@ -37,7 +37,7 @@ sys.path.insert(0, str(REPO / "bench"))
 
 from preflight_grid import make_checkpoint  # noqa: E402
 
-from stages import memory, train  # noqa: E402
+from stages import batches, hf_trainer, lora_model, memory, train  # noqa: E402
 from stages.config import RunConfig  # noqa: E402
 
 MIB = 2**20
@@ -134,12 +134,12 @@ def leaked_blocks(snapshot: dict, limit: int = 8) -> list[dict]:
 
 def cycle(cfg: RunConfig, vocab: int, seq: int, out: Path) -> dict:
     t0 = time.perf_counter()
-    model = train.build_model(cfg)
+    model = lora_model.build_model(cfg)
     after_build = allocated()
-    trainer = train.make_trainer(cfg, model, rows(vocab, seq, 2 * cfg.training.per_device_train_batch_size), train.Collator(0), out,
+    trainer = hf_trainer.make_trainer(cfg, model, rows(vocab, seq, 2 * cfg.training.per_device_train_batch_size), batches.Collator(0), out,
                                  max_steps=2, save_strategy="no", logging_steps=1000, disable_tqdm=True, logging_first_step=False)
     trainer.train()
-    train.release(trainer)
+    hf_trainer.release(trainer)
     del trainer, model
     memory.free_gpu()
     return {"after_build_mib": round(after_build / MIB, 1), "after_free_mib": round(allocated() / MIB, 1),

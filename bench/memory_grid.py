@@ -7,7 +7,7 @@ fused linear cross-entropy, 8-bit paged AdamW, the tiled MLP from 32k tokens per
 A group is one model build (shape, LoRA or QLoRA, rank, targets), run in its own process;
 each of its rows is a micro-batch shape on that model:
   probe      stages.preflight.probe on the built model: two optimizer steps on the worst padded batch
-  measured   stages.train.make_trainer: `steps` optimizer steps on rows of random length in
+  measured   stages.hf_trainer.make_trainer: `steps` optimizer steps on rows of random length in
              [seq/2, seq], the one of exactly seq in the second-to-last step; peak reserved
 plus what the estimate needs to be checked by mechanism: allocated after the build, the
 optimizer's paged (managed, outside torch's counters) and unpaged state bytes.
@@ -86,7 +86,7 @@ def optimizer_state_bytes(opt) -> dict:
 def measure(cfg, model, seq: int, vocab: int, steps: int) -> dict:
     import torch
 
-    from stages import memory, train
+    from stages import batches, hf_trainer, memory
     from stages.memory import GIB
 
     b = cfg.training.per_device_train_batch_size
@@ -99,7 +99,7 @@ def measure(cfg, model, seq: int, vocab: int, steps: int) -> dict:
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    trainer = train.make_trainer(cfg, model, rows, train.Collator(0), Path("/tmp/bench-train"), max_steps=steps, save_strategy="no",
+    trainer = hf_trainer.make_trainer(cfg, model, rows, batches.Collator(0), Path("/tmp/bench-train"), max_steps=steps, save_strategy="no",
                                  train_sampling_strategy="sequential", logging_steps=1000, disable_tqdm=True, logging_first_step=False)
     t0 = time.perf_counter()
     trainer.train()
@@ -110,7 +110,7 @@ def measure(cfg, model, seq: int, vocab: int, steps: int) -> dict:
            "measured_alloc_gib": torch.cuda.max_memory_allocated() / GIB if cuda else None,
            "tokens_per_s": round(sum(lengths) / wall, 1), "steps": trainer.state.global_step}
     out |= optimizer_state_bytes(trainer.optimizer)
-    train.release(trainer)
+    hf_trainer.release(trainer)
     del trainer
     memory.free_gpu()
     return out
@@ -121,31 +121,31 @@ def run_group(index: int, out: Path, deadline: float) -> None:
     import torch
     from preflight_grid import make_checkpoint
 
-    from stages import memory, preflight, train
+    from stages import kernels, lora_model, memory, memory_model, preflight
     from stages.memory import GIB
 
     shape, quant, r, targets, shapes_rows = GROUPS[index]
     model_dir = make_checkpoint(shape, Path("/tmp/bench-models"))
-    shapes = preflight.Shapes.from_config(json.loads((model_dir / "config.json").read_text()))
+    shapes = memory_model.Shapes.from_config(json.loads((model_dir / "config.json").read_text()))
     cuda = torch.cuda.is_available()
     total = torch.cuda.get_device_properties(0).total_memory / GIB if cuda else 0
     t0 = time.perf_counter()
     cfg0 = run_config(model_dir, quant, r, targets, *shapes_rows[0])
     memory.free_gpu()
-    model = train.build_model(cfg0)
+    model = lora_model.build_model(cfg0)
     built = {"build_s": round(time.perf_counter() - t0, 1), "weights_alloc_gib": torch.cuda.memory_allocated() / GIB if cuda else None}
     for seq, mb in shapes_rows:
         if time.time() > deadline:
             print(f"group {index}: time limit before {seq}x{mb}", flush=True)
             break
         cfg = run_config(model_dir, quant, r, targets, seq, mb)
-        tiled = train.tiled_mlp(cfg)
-        train.tile_mlp(model, on=tiled) if cuda else None
+        tiled = kernels.tiled_mlp(cfg)
+        kernels.tile_mlp(model, on=tiled) if cuda else None
         spec = {"shape": shape, "quant": quant, "r": r, "target_modules": targets, "seq": seq, "micro_batch": mb}
         row = {"model": shape, "config": spec, "group": index, "tiled_mlp": tiled} | built
         t1 = time.perf_counter()
         try:
-            row["estimate_gib_at_run"] = preflight.estimate(cfg, shapes, seq, on_gpu=cuda).total_gib
+            row["estimate_gib_at_run"] = memory_model.estimate(cfg, shapes, seq, on_gpu=cuda).total_gib
             if cuda:
                 p = preflight.probe(cfg, seq, total, Path("/tmp/bench-probe"), model=model)
                 row |= {"probe_gib": p.peak_reserved_gib, "probe_alloc_gib": p.peak_alloc_gib, "probe_ok": p.ok}

@@ -6,9 +6,9 @@ For one model shape: a random-init checkpoint is written to local disk (memory d
 shapes, not values), with the tiny default's SentencePiece tokenizer beside it so the
 pipeline's own loaders work. Then, for every config of the grid, through the pipeline's
 own code paths:
-  estimate   stages.preflight.estimate (re-computed offline by preflight_grid_report.py)
+  estimate   stages.memory_model.estimate (re-computed offline by preflight_grid_report.py)
   probe      stages.preflight.probe: two optimizer steps on the worst padded micro-batch
-  measured   stages.train.make_trainer: 20 steps on rows of random length in [seq/2, seq],
+  measured   stages.hf_trainer.make_trainer: 20 steps on rows of random length in [seq/2, seq],
              one of them exactly seq, padded dynamically as in training; peak reserved.
 Rows go to --out as they finish, so a run stopped by its time limit keeps what it measured.
 """
@@ -29,7 +29,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from stages import preflight, train  # noqa: E402
+from stages import batches, hf_trainer, lora_model, memory_model, preflight  # noqa: E402
 from stages.config import RunConfig  # noqa: E402
 from stages.memory import GIB  # noqa: E402
 
@@ -143,9 +143,9 @@ def measure(cfg: RunConfig, seq: int, vocab: int, steps: int = 20) -> dict:
     gc.collect()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
-    model = train.build_model(cfg)
+    model = lora_model.build_model(cfg)
     weights = torch.cuda.memory_allocated() / GIB
-    trainer = train.make_trainer(cfg, model, rows, train.Collator(0), Path("/tmp/bench-train"), max_steps=steps, save_strategy="no",
+    trainer = hf_trainer.make_trainer(cfg, model, rows, batches.Collator(0), Path("/tmp/bench-train"), max_steps=steps, save_strategy="no",
                                  logging_steps=5, disable_tqdm=True)
     t0 = time.perf_counter()
     trainer.train()
@@ -173,7 +173,7 @@ def main() -> None:
     a = ap.parse_args()
     t_start = time.perf_counter()
     model_dir = make_checkpoint(a.shape, Path("/tmp/bench-models"))
-    shapes = preflight.Shapes.from_config(json.loads((model_dir / "config.json").read_text()))
+    shapes = memory_model.Shapes.from_config(json.loads((model_dir / "config.json").read_text()))
     total = torch.cuda.get_device_properties(0).total_memory / GIB
     rows = []
     for i, spec in enumerate(GRID):
@@ -189,7 +189,7 @@ def main() -> None:
                "lora_dropout": cfg.lora.lora_dropout}}
         t0 = time.perf_counter()
         try:
-            row["estimate_gib_at_run"] = preflight.estimate(cfg, shapes, seq, on_gpu=True).total_gib
+            row["estimate_gib_at_run"] = memory_model.estimate(cfg, shapes, seq, on_gpu=True).total_gib
             p = preflight.probe(cfg, seq, total, Path("/tmp/bench-probe"))
             row |= {"probe_gib": p.peak_reserved_gib, "probe_alloc_gib": p.peak_alloc_gib, "probe_ok": p.ok}
             row |= measure(cfg, seq, shapes.vocab)

@@ -8,7 +8,7 @@ q/v/o, non-reentrant checkpointing, random tokens. Rows:
   baseline   the anchors' hand-written loop (torch AdamW, bf16 autocast): plain peft, then
              peft + Liger Kernel patched on the class (the off-the-shelf floor), run last
              because Liger's class patch would leak into everything built after it.
-  stage      stages.train.build_model + stages.train.make_trainer (the HF Trainer exactly as
+  stage      stages.lora_model.build_model + stages.hf_trainer.make_trainer (the HF Trainer exactly as
              the train stage runs it) on fixed-length rows, with the stage's defaults
              (fit: memory) or fit: speed under a 24 GiB budget; ablations toggle one hardened
              default at a time on the same model.
@@ -33,7 +33,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.preflight_grid import make_checkpoint  # noqa: E402
-from stages import train  # noqa: E402
+from stages import batches, hf_trainer, kernels, lora_model, train  # noqa: E402
 from stages.config import RunConfig  # noqa: E402
 from stages.memory import GIB  # noqa: E402
 
@@ -138,7 +138,7 @@ def stage_run(cfg: RunConfig, model, bs: int, seq: int, steps: int = 5, **overri
     rows = [{"input_ids": (ids := torch.randint(3, VOCAB, (seq,), generator=gen).tolist()), "labels": ids} for _ in range(bs * steps)]
     clean()
     timer = StepTimer()
-    trainer = train.make_trainer(cfg, model, rows, train.Collator(0), Path("/tmp/bench-train"), callbacks=[timer],
+    trainer = hf_trainer.make_trainer(cfg, model, rows, batches.Collator(0), Path("/tmp/bench-train"), callbacks=[timer],
                                  per_device_train_batch_size=bs, max_steps=steps, save_strategy="no", disable_tqdm=True,
                                  logging_first_step=False, **overrides)
     try:
@@ -195,15 +195,15 @@ def main() -> None:
 
     # 2. this stage, QLoRA: defaults, ablations on the same model, fit: speed, longest context
     cfg = stage_config(model_dir, True)
-    model = train.build_model(cfg)
+    model = lora_model.build_model(cfg)
     emit(out, {"name": "stage (defaults: fit memory)", "mode": "qlora", "seq": 4096, "micro_batch": 2, "baseline": False,
-               "fit": "memory", "offload_activations": True, "offload_embeddings": train.offload_embeddings(cfg),
+               "fit": "memory", "offload_activations": True, "offload_embeddings": kernels.offload_embeddings(cfg),
                **stage_run(cfg, model, 2, 4096)})
     if "qlora" in a.parts:
         del model
         clean()
         ce = stage_config(model_dir, True, offload_embeddings="off")
-        model = train.build_model(ce)
+        model = lora_model.build_model(ce)
         emit(out, {"name": "ablation: embeddings on the GPU", "mode": "qlora", "seq": 4096, "micro_batch": 2, "baseline": False,
                    **stage_run(ce, model, 2, 4096)})
     if "ablations" not in a.parts:
@@ -221,7 +221,7 @@ def main() -> None:
     if "ablations" in a.parts:
         # torch's own save_on_cpu instead of the side-stream offload
         c = stage_config(model_dir, True, offload_activations="off")
-        orig = train.make_trainer
+        orig = hf_trainer.make_trainer
 
         def with_save_on_cpu(*args, **kw):
             t = orig(*args, **kw)
@@ -233,10 +233,10 @@ def main() -> None:
                 return stack
             t.compute_loss_context_manager = ctx
             return t
-        train.make_trainer = with_save_on_cpu
+        hf_trainer.make_trainer = with_save_on_cpu
         emit(out, {"name": "ablation: torch.autograd.graph.save_on_cpu offload", "mode": "qlora", "seq": 4096, "micro_batch": 2,
                    "baseline": False, **stage_run(c, model, 2, 4096)})
-        train.make_trainer = orig
+        hf_trainer.make_trainer = orig
         # the same model in the anchors' hand loop: what the Trainer itself costs
         emit(out, {"name": "ablation: stage model in the anchors' hand loop (no Trainer, no offload)", "mode": "qlora", "seq": 4096,
                    "micro_batch": 2, "baseline": False, **baseline_run(model, 2, 4096)})
@@ -251,15 +251,15 @@ def main() -> None:
         gen = torch.Generator().manual_seed(1)
         rows = [{"input_ids": (ids := torch.randint(3, VOCAB, (4096,), generator=gen).tolist()), "labels": ids} for _ in range(2)]
         torch.cuda.set_per_process_memory_fraction(24 / total)
-        fit = train.choose_fit(cs, model, rows, 0, Path("/tmp/bench-train"))
+        fit = train.choose_fit(cs, model, rows, batches.Collator(0), Path("/tmp/bench-train"))
         emit(out, {"name": "stage (fit speed, 24 GiB budget)", "mode": "qlora", "seq": 4096, "micro_batch": 2, "baseline": False,
                    "fit": "speed", "checkpointed_layers": fit.checkpointed_layers, "fit_reason": fit.reason, "fit_measured": fit.measured,
                    **stage_run(cs, model, 2, 4096)})
-        train.checkpoint_only(model, fit.total_layers)
+        lora_model.checkpoint_only(model, fit.total_layers)
 
     # longest context under 24 GiB (process capped), micro-batch 1, defaults; without tiled MLP first
     for tiled, seqs in ((False, [65536]), (True, a.long)) if "long" in a.parts else ():
-        train.tile_mlp(model, tiled)
+        kernels.tile_mlp(model, tiled)
         for seq in seqs:
             if budget_left() < 120:
                 emit(out, {"name": "long context", "seq": seq, "tiled_mlp": tiled, "skipped": "time limit"})
@@ -269,7 +269,7 @@ def main() -> None:
                        "tiled_mlp": tiled, **r})
             if "error" in r:
                 break
-    train.tile_mlp(model, False)
+    kernels.tile_mlp(model, False)
     torch.cuda.set_per_process_memory_fraction(1.0)
     del model
     clean()
@@ -277,13 +277,13 @@ def main() -> None:
     # 3. this stage, bf16 LoRA
     if "bf16" in a.parts:
         cb = stage_config(model_dir, False)
-        model = train.build_model(cb)
+        model = lora_model.build_model(cb)
         emit(out, {"name": "stage (defaults: fit memory)", "mode": "bf16", "seq": 4096, "micro_batch": 2, "baseline": False,
-                   "offload_embeddings": train.offload_embeddings(cb), **stage_run(cb, model, 2, 4096)})
+                   "offload_embeddings": kernels.offload_embeddings(cb), **stage_run(cb, model, 2, 4096)})
         del model
         clean()
         cb = stage_config(model_dir, False, offload_embeddings="off")
-        model = train.build_model(cb)
+        model = lora_model.build_model(cb)
         emit(out, {"name": "ablation: embeddings on the GPU", "mode": "bf16", "seq": 4096, "micro_batch": 2, "baseline": False,
                    **stage_run(cb, model, 2, 4096)})
         del model

@@ -130,7 +130,8 @@ class TrainingSection(Section):
     tiled_mlp: Literal["auto", "on", "off"] = Field(
         "auto", description="Run each MLP over sequence tiles, recomputed in backward (Liger's TiledMLP, CUDA): the "
         "tokens x intermediate activations stop growing with context, at the cost of one more MLP forward. "
-        "auto: on when a micro-batch can hold >= 32768 tokens (data.max_length x micro-batch)."
+        "auto: on when the widest micro-batch of the data holds >= 32768 tokens (packed: max_tokens_per_batch; padded: "
+        "micro-batch x the longest sample after data.long_sample_policy)."
     )
     fused_kernels: Literal["auto", "on", "off"] = Field(
         "auto", description="Liger Triton kernels for RMSNorm, SwiGLU and RoPE (CUDA): less activation memory, faster "
@@ -144,6 +145,24 @@ class TrainingSection(Section):
         "auto", description="Optimizer (TrainingArguments.optim). 8-bit states take 2 bytes per adapter parameter instead of 8. "
         "auto: paged_adamw_8bit with fit: memory on a GPU (bitsandbytes installed), adamw_torch_fused with fit: speed, "
         "adamw_torch on CPU (measured: bench/results/train_r7.json)."
+    )
+    packing: Literal["auto", "on", "off"] = Field(
+        "auto", description="on: micro-batches are samples laid end to end up to max_tokens_per_batch tokens, no padding, "
+        "no token attending across samples (position ids restart per sample); the loss is normalised per loss-carrying token "
+        "of the optimizer step, as unpacked. off: per_device_train_batch_size samples padded to the longest. auto: on where "
+        "measured at least as fast: CPU (bench/results/packing_cpu.json); off on CUDA until the H200 bench "
+        "(bench/packing_r7.py) has run, so set `on` there yourself."
+    )
+    max_tokens_per_batch: int | None = Field(
+        None, gt=0, description="Packing: tokens per micro-batch (at least the longest sample). null: per_device_train_batch_size "
+        "x data.max_length, the padded run's worst micro-batch, which the preflight fits; an optimizer step then holds "
+        "gradient_accumulation_steps such micro-batches, so usually many more samples than padded."
+    )
+    packed_attention: Literal["auto", "varlen", "flex_attention", "mask"] = Field(
+        "auto", description="How packed samples are kept apart in attention. varlen: torch's variable-length flash kernel "
+        "(torch.nn.attention.varlen, CUDA; on CPU the same attention one sample at a time); flex_attention: a block-sparse mask "
+        "(compiled); mask: the model's own attention (model.attn_implementation) with transformers' block-diagonal causal mask "
+        "(tokens x tokens memory). auto: varlen on a CUDA GPU where torch has it, else mask (measured faster on CPU)."
     )
     train_sampling_strategy: Literal["random", "group_by_length", "sequential"] = Field(
         "random", description="group_by_length batches samples of similar length so padding is not paid for; "
@@ -265,6 +284,11 @@ class RunConfig(Section):
     smoke: SmokeSection = SmokeSection()
     handoff: HandoffSection
     artifacts_dir: Path = Field(Path("artifacts"), description="Run outputs go to <artifacts_dir>/runs/<run-id>/<stage>/.")
+
+    def token_budget(self) -> int:
+        """Tokens per packed micro-batch: training.max_tokens_per_batch, or by default the padded run's worst
+        micro-batch (micro-batch x data.max_length), which the preflight fits."""
+        return self.training.max_tokens_per_batch or self.training.per_device_train_batch_size * self.data.max_length
 
     def fingerprint(self) -> str:
         """Short hash of the resolved config: two runs with the same config share it."""

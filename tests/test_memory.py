@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 
-from stages import memory
+from stages import batches, hf_trainer, lora_model, memory
 
 
 def test_stage_peak_resets_between_stages(tmp_path):
@@ -94,7 +94,6 @@ def test_a_freed_model_leaves_nothing_behind(tmp_path):
     import gc
     import weakref
 
-    from stages import train
     from stages.config import RunConfig
     from tests.conftest import REPO
 
@@ -105,13 +104,13 @@ def test_a_freed_model_leaves_nothing_behind(tmp_path):
         "training": {"per_device_train_batch_size": 2, "max_steps": 2, "optim": "adamw_8bit"}})
     tables = []
     for _ in range(3):
-        model = train.build_model(cfg)
+        model = lora_model.build_model(cfg)
         assert model.get_input_embeddings().weight is model.get_output_embeddings().weight  # tied
         tables.append(weakref.ref(model.get_input_embeddings().weight))
         rows = [{"input_ids": list(range(3, 40)), "labels": list(range(3, 40))} for _ in range(4)]
-        trainer = train.make_trainer(cfg, model, rows, train.Collator(0), tmp_path / "out", max_steps=2, save_strategy="no", disable_tqdm=True)
+        trainer = hf_trainer.make_trainer(cfg, model, rows, batches.Collator(0), tmp_path / "out", max_steps=2, save_strategy="no", disable_tqdm=True)
         trainer.train()
-        train.release(trainer)
+        hf_trainer.release(trainer)
         del trainer, model
         gc.collect()
     assert [t() is None for t in tables] == [True, True, True]
@@ -136,7 +135,7 @@ def test_the_train_stage_frees_its_model_before_it_returns(tmp_path, monkeypatch
         built.append(weakref.ref(model.get_input_embeddings().weight))
         return model
 
-    build = train.build_model
+    build = lora_model.build_model
     monkeypatch.setattr(train, "build_model", spy)
     cfg = load_config(write_config(tmp_path, training={"max_steps": 3}))
     gc.disable()

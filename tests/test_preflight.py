@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from stages import data, preflight
+from stages import data, memory_model, preflight
 from stages.config import RunConfig, load_config
 from stages.modelio import load_tokenizer
 from tests.conftest import write_config
@@ -28,13 +28,13 @@ def cfg(**sections) -> RunConfig:
     return RunConfig.model_validate(raw)
 
 
-def items(est: preflight.Estimate, prefix: str) -> float:
+def items(est: memory_model.Estimate, prefix: str) -> float:
     return next(v for k, v in est.items_bytes.items() if k.startswith(prefix))
 
 
 def test_weights_and_adapters_match_hand_arithmetic():
-    s = preflight.Shapes.from_config(TOY)
-    est = preflight.estimate(cfg(), s, seq=10, on_gpu=True)
+    s = memory_model.Shapes.from_config(TOY)
+    est = memory_model.estimate(cfg(), s, seq=10, on_gpu=True)
     # linear: per layer q 8x8 + k 8x4 + v 8x4 + o 8x8 + gate/up/down 3x8x16 = 576, x2 layers;
     # embeddings + lm_head 2x100x8 + norms 5x8 = 1640; bf16: 2 bytes each
     assert items(est, "base weights") == (1152 + 1640) * 2
@@ -42,61 +42,61 @@ def test_weights_and_adapters_match_hand_arithmetic():
     assert items(est, "LoRA") == 112 * 16
     # checkpointing keeps every layer's input: 2 layers x 10 tokens x 8 x 2 bytes
     assert items(est, "activations kept") == 2 * 10 * 8 * 2
-    nf4 = preflight.estimate(cfg(quantization={"load_in_4bit": True}), s, seq=10, on_gpu=True)
-    assert items(nf4, "base weights") == pytest.approx(1152 * preflight.NF4_BYTES[True] + 1640 * 2)
+    nf4 = memory_model.estimate(cfg(quantization={"load_in_4bit": True}), s, seq=10, on_gpu=True)
+    assert items(nf4, "base weights") == pytest.approx(1152 * memory_model.NF4_BYTES[True] + 1640 * 2)
     # bitsandbytes keeps 32-bit states for tensors under 4096 elements: the toy's adapters stay at 8 bytes
-    paged = preflight.estimate(cfg(training={"optim": "paged_adamw_8bit"}), s, seq=10, on_gpu=True)
+    paged = memory_model.estimate(cfg(training={"optim": "paged_adamw_8bit"}), s, seq=10, on_gpu=True)
     assert items(paged, "LoRA") == 112 * 16
 
 
 def test_optimizer_states_are_counted_where_bitsandbytes_puts_them():
     """R7 r=64 q/v/o: every adapter matrix has >= 1e5 elements, so the paged 8-bit states sit in
     CUDA managed memory (outside torch's allocator, evictable); unpaged 8-bit: 2 bytes + absmax."""
-    s = preflight.Shapes.from_config(QWEN7B)
+    s = memory_model.Shapes.from_config(QWEN7B)
     qvo = {"r": 64, "target_modules": ["q_proj", "v_proj", "o_proj"]}
     params = 28 * 64 * ((3584 + 3584) + (3584 + 512) + (3584 + 3584))
-    paged = preflight.estimate(cfg(lora=qvo, training={"optim": "paged_adamw_8bit"}), s, 1024, True)
+    paged = memory_model.estimate(cfg(lora=qvo, training={"optim": "paged_adamw_8bit"}), s, 1024, True)
     small = 28 * 512 * 64  # v_proj's lora_B (512 x 64) is under 1e5 elements: its 8-bit states stay in torch's memory
     assert items(paged, "LoRA") == pytest.approx(params * 8 + small * (2 + 8 / 256))
     assert "GiB more states paged outside torch" in next(k for k in paged.items_gib if k.startswith("LoRA"))
-    unpaged = preflight.estimate(cfg(lora=qvo, training={"optim": "adamw_8bit"}), s, 1024, True)
+    unpaged = memory_model.estimate(cfg(lora=qvo, training={"optim": "adamw_8bit"}), s, 1024, True)
     assert items(unpaged, "LoRA") == pytest.approx(params * (8 + 2 + 8 / 256))
-    torch_adamw = preflight.estimate(cfg(lora=qvo, training={"optim": "adamw_torch"}), s, 1024, True)
+    torch_adamw = memory_model.estimate(cfg(lora=qvo, training={"optim": "adamw_torch"}), s, 1024, True)
     assert items(torch_adamw, "LoRA") == params * 16
 
 
 def test_gpu_defaults_are_modelled():
     """fit: memory on a GPU: the input table and the checkpointed layer inputs live in host memory, 8-bit AdamW."""
-    s = preflight.Shapes.from_config(TOY)
+    s = memory_model.Shapes.from_config(TOY)
     auto = {"offload_activations": "auto", "offload_embeddings": "auto", "tiled_mlp": "auto", "optim": "auto"}
-    est = preflight.estimate(cfg(training=auto), s, seq=10, on_gpu=True)
+    est = memory_model.estimate(cfg(training=auto), s, seq=10, on_gpu=True)
     assert items(est, "base weights") == (1152 + 1640 - 100 * 8) * 2  # minus the 100 x 8 input embedding
     assert items(est, "LoRA") == 112 * 16  # 8-bit AdamW, but 32-bit states below 4096 elements
-    tied = preflight.Shapes.from_config(TOY | {"tie_word_embeddings": True})
+    tied = memory_model.Shapes.from_config(TOY | {"tie_word_embeddings": True})
     # a table tied to lm_head stays on the GPU, once
-    assert items(preflight.estimate(cfg(training=auto), tied, seq=10, on_gpu=True), "base weights") == (1152 + 100 * 8 + 5 * 8) * 2
+    assert items(memory_model.estimate(cfg(training=auto), tied, seq=10, on_gpu=True), "base weights") == (1152 + 100 * 8 + 5 * 8) * 2
     # 2 layers' inputs at most stay on the GPU (in use, prefetched) instead of all 28 of a 7B
-    r7 = preflight.Shapes.from_config(QWEN7B)
-    on = items(preflight.estimate(cfg(training=auto), r7, seq=4096, on_gpu=True), "activations kept")
-    off = items(preflight.estimate(cfg(), r7, seq=4096, on_gpu=True), "activations kept")
+    r7 = memory_model.Shapes.from_config(QWEN7B)
+    on = items(memory_model.estimate(cfg(training=auto), r7, seq=4096, on_gpu=True), "activations kept")
+    off = items(memory_model.estimate(cfg(), r7, seq=4096, on_gpu=True), "activations kept")
     assert on == 2 * 4096 * 3584 * 2 and off == 28 * 4096 * 3584 * 2
-    cpu = preflight.estimate(cfg(training=auto), s, seq=10, on_gpu=False)
+    cpu = memory_model.estimate(cfg(training=auto), s, seq=10, on_gpu=False)
     # bfloat16 as configured, nothing offloaded on CPU, no allocator or cuBLAS figures
     assert items(cpu, "base weights") == (1152 + 1640) * 2 and items(cpu, "LoRA") == 112 * 16
     assert items(cpu, "allocator") == 0 and items(cpu, "cuBLAS") == 0
     # `auto` dtype: bf16 when estimating for a GPU even from a CPU-only laptop, fp32 for a CPU run
     auto_dtype = cfg(training=auto).model_copy(update={"model": cfg().model.model_copy(update={"torch_dtype": "auto"})})
-    assert items(preflight.estimate(auto_dtype, s, 10, on_gpu=True), "base weights") == (1152 + 1640 - 800) * 2
-    assert items(preflight.estimate(auto_dtype, s, 10, on_gpu=False), "base weights") == (1152 + 1640) * 4
+    assert items(memory_model.estimate(auto_dtype, s, 10, on_gpu=True), "base weights") == (1152 + 1640 - 800) * 2
+    assert items(memory_model.estimate(auto_dtype, s, 10, on_gpu=False), "base weights") == (1152 + 1640) * 4
 
 
 def test_the_tiled_mlp_stops_the_intermediate_activations_growing_with_context():
-    s = preflight.Shapes.from_config(QWEN7B)
+    s = memory_model.Shapes.from_config(QWEN7B)
     auto = {"tiled_mlp": "auto", "optim": "auto", "offload_activations": "auto", "offload_embeddings": "auto", "cross_entropy": "chunked"}
 
     def peak(seq: int) -> float:
         c = cfg(training=auto, data={"train_file": "x", "max_length": seq})
-        return items(preflight.estimate(c, s, seq, on_gpu=True), "peak moment")
+        return items(memory_model.estimate(c, s, seq, on_gpu=True), "peak moment")
 
     # untiled below 32k tokens per micro-batch: x2 tokens, x2 the layer's working set; tiled above: grows with
     # the hidden-sized tensors only, so 64k costs far less than twice 32k's untiled equivalent would
@@ -106,9 +106,9 @@ def test_the_tiled_mlp_stops_the_intermediate_activations_growing_with_context()
 
 def test_r7_weights_match_the_anchor_measurements():
     """Anchors: R7 bf16 loads at 14.23 GiB allocated, NF4 + double quant at 5.24 GiB."""
-    s = preflight.Shapes.from_config(QWEN7B)
-    bf16 = items(preflight.estimate(cfg(), s, 4096, True), "base weights") / preflight.GIB
-    nf4 = items(preflight.estimate(cfg(quantization={"load_in_4bit": True}), s, 4096, True), "base weights") / preflight.GIB
+    s = memory_model.Shapes.from_config(QWEN7B)
+    bf16 = items(memory_model.estimate(cfg(), s, 4096, True), "base weights") / preflight.GIB
+    nf4 = items(memory_model.estimate(cfg(quantization={"load_in_4bit": True}), s, 4096, True), "base weights") / preflight.GIB
     assert bf16 == pytest.approx(14.23, rel=0.01)
     assert nf4 == pytest.approx(5.24, rel=0.03)
 
@@ -119,35 +119,35 @@ def test_r7_weights_match_the_anchor_measurements():
     {"training": {"cross_entropy": "plain"}},
 ])
 def test_estimate_grows_with_what_costs_memory(change):
-    s = preflight.Shapes.from_config(QWEN7B)
+    s = memory_model.Shapes.from_config(QWEN7B)
     base = {"training": {"cross_entropy": "chunked"}}
     change = dict(change)
     seq = change.pop("seq", 1024)
     sections = {k: base.get(k, {}) | change.get(k, {}) for k in base | change}
     if change.get("training", {}).get("cross_entropy") == "plain":
         sections["training"]["cross_entropy"] = "plain"
-    assert preflight.estimate(cfg(**sections), s, seq, True).total_gib > preflight.estimate(cfg(**base), s, 1024, True).total_gib
+    assert memory_model.estimate(cfg(**sections), s, seq, True).total_gib > memory_model.estimate(cfg(**base), s, 1024, True).total_gib
 
 
 def test_chunked_loss_saves_the_logits_at_152k_vocab():
-    s = preflight.Shapes.from_config(QWEN7B)
+    s = memory_model.Shapes.from_config(QWEN7B)
     c2 = {"per_device_train_batch_size": 2}
-    plain = preflight.estimate(cfg(training=c2 | {"cross_entropy": "plain"}), s, 4096, True).total_gib
-    chunked = preflight.estimate(cfg(training=c2 | {"cross_entropy": "chunked"}), s, 4096, True).total_gib
+    plain = memory_model.estimate(cfg(training=c2 | {"cross_entropy": "plain"}), s, 4096, True).total_gib
+    chunked = memory_model.estimate(cfg(training=c2 | {"cross_entropy": "chunked"}), s, 4096, True).total_gib
     assert plain - chunked > 10  # anchors: 11.5 GiB at 2 x 4096
 
 
 def test_unknown_architecture_is_estimated_where_possible_and_says_what_not():
     gpt = {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "vocab_size": 50257, "n_embd": 768, "n_layer": 12, "n_head": 12}
-    s = preflight.Shapes.from_config(gpt)
+    s = memory_model.Shapes.from_config(gpt)
     assert (s.hidden, s.layers, s.heads, s.intermediate) == (768, 12, 12, 4 * 768)
     assert any("GPT2LMHeadModel" in n and "trust the GPU probe" in n for n in s.unknown)
     assert any("intermediate_size" in n for n in s.unknown)
-    assert preflight.estimate(cfg(), s, 512, True).total_gib > 0
+    assert memory_model.estimate(cfg(), s, 512, True).total_gib > 0
 
 
 def test_fixes_are_ranked_by_saving_and_the_least_invasive_fitting_one_is_chosen():
-    s = preflight.Shapes.from_config(QWEN7B)
+    s = memory_model.Shapes.from_config(QWEN7B)
     c = cfg(training={"per_device_train_batch_size": 2, "cross_entropy": "plain"}, lora={"r": 64, "target_modules": ["q_proj", "v_proj", "o_proj"]})
     scan = preflight.LengthScan(100, 800, 1000, 1024, 4096, "x:1", [], [], 2 * 4096)
     sug = preflight.suggest(c, s, scan, usable=23.0, on_gpu=True)
@@ -162,7 +162,7 @@ def test_fixes_are_ranked_by_saving_and_the_least_invasive_fitting_one_is_chosen
 
 def test_a_fix_that_changes_nothing_is_never_offered():
     """optim: auto already resolves to paged 8-bit AdamW on a GPU (fit: memory), cross_entropy: auto to chunked."""
-    s = preflight.Shapes.from_config(QWEN7B)
+    s = memory_model.Shapes.from_config(QWEN7B)
     auto = cfg(training={"optim": "auto", "cross_entropy": "auto", "per_device_train_batch_size": 2}, lora={"r": 64})
     scan = preflight.LengthScan(100, 800, 1000, 1024, 4096, "x:1", [], [], 2 * 4096)
     changes = [x["change"] for x in preflight.suggest(auto, s, scan, usable=5.0, on_gpu=True)]
@@ -179,7 +179,7 @@ def test_the_report_leads_with_the_verdict_and_what_decided_it(tmp_path):
     ok = preflight.run(c, tmp_path / "ok")
     first = (tmp_path / "ok" / "preflight.md").read_text().splitlines()[0]
     assert first.startswith("## Preflight: FITS, estimated: ") and "no CUDA device here to measure on" in first
-    est = preflight.estimate(c, preflight.Shapes.from_config(TOY), 22, on_gpu=False)
+    est = memory_model.estimate(c, memory_model.Shapes.from_config(TOY), 22, on_gpu=False)
     lengths = ok.lengths
     probed = preflight.PreflightResult(True, "NVIDIA H200", 24.0, 21.15, est, lengths, [], tmp_path / "x.md",
                                        probe=preflight.ProbeResult(True, 9.25, 8.61, 21.15, [4096, 4095]))

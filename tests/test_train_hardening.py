@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from stages import train
+from stages import batches, data, hf_trainer, kernels, lora_model, train
 from stages.config import ConfigError, load_config
 from tests.conftest import REPO, write_config
 
@@ -29,22 +29,28 @@ def test_memory_lines_and_timeline_plot(tmp_path):
     assert r.memory_png and r.memory_png.stat().st_size > 5000
 
 
-def test_injected_oom_writes_a_postmortem_and_resumes_with_half_the_micro_batch(tmp_path):
-    cfg = load_config(write_config(tmp_path, training=SHORT))
+@pytest.mark.parametrize("packing", ["off", "on"])
+def test_injected_oom_writes_a_postmortem_and_resumes_with_half_the_micro_batch(tmp_path, packing):
+    cfg = load_config(write_config(tmp_path, training=SHORT | {"packing": packing, "max_tokens_per_batch": 176}))
     r = train.run(cfg, tmp_path / "train", inject_oom_at=5)
     assert r.steps == 8
     (rec,) = r.oom_recoveries
     assert rec["step"] == 5 and rec["resumed_from"].endswith("checkpoint-4")
-    assert (rec["per_device_train_batch_size"], rec["gradient_accumulation_steps"]) == (4, 2)  # same effective batch
     pm = json.loads((tmp_path / "train" / "oom-postmortem-1.json").read_text())
-    assert pm["step"] == 5 and pm["batch"]["shape"][0] == 8 and len(pm["batch"]["ids"]) == 8
+    if packing == "off":
+        assert (rec["per_device_train_batch_size"], rec["gradient_accumulation_steps"]) == (4, 2)  # same effective batch
+        assert pm["batch"]["shape"][0] == 8 and len(pm["batch"]["ids"]) == 8
+    else:  # half the token budget, twice the accumulation
+        assert (rec["max_tokens_per_batch"], rec["gradient_accumulation_steps"]) == (88, 2)
+        assert pm["batch"]["shape"][0] == 1 and 0 < pm["batch"]["shape"][1] <= 176 and len(pm["batch"]["ids"]) > 1
+    assert pm["step"] == 5
     assert all(".jsonl:" in i for i in pm["batch"]["ids"])  # sample ids, file:line
     assert pm["non_lora_params_requiring_grad"] == [] and "injected" in pm["error"]
     assert json.loads((tmp_path / "train" / "memory.json").read_text())["extra"]["oom_recoveries"][0]["step"] == 5
 
 
 def test_oom_at_micro_batch_one_gives_up_with_the_postmortem(tmp_path):
-    cfg = load_config(write_config(tmp_path, training=SHORT | {"per_device_train_batch_size": 1}))
+    cfg = load_config(write_config(tmp_path, training=SHORT | {"per_device_train_batch_size": 1, "packing": "off"}))
     with pytest.raises(train.TrainOOMError, match=r"step 3 with micro-batch 1 .*no smaller micro-batch.*oom-postmortem-1.json"):
         train.run(cfg, tmp_path / "train", inject_oom_at=3)
 
@@ -77,7 +83,7 @@ def test_kill_9_then_rerun_equals_an_uninterrupted_run_bit_for_bit(tmp_path):
 def test_target_modules_that_match_nothing_list_the_linear_modules(tmp_path):
     cfg = load_config(write_config(tmp_path, lora={"target_modules": ["query", "value"]}))
     with pytest.raises(ValueError, match=r"match no module of LlamaForCausalLM; its linear modules are: .*'q_proj'.*'v_proj'"):
-        train.build_model(cfg)
+        lora_model.build_model(cfg)
 
 
 def test_out_of_range_learning_rate_and_rank_fail_validation(tmp_path):
@@ -96,16 +102,16 @@ def _grads(model, batch) -> dict:
 def test_partial_checkpointing_gives_the_same_gradients_as_full(tmp_path):
     """fit: speed un-checkpoints layers; that must change memory and time, never the gradients."""
     cfg = load_config(write_config(tmp_path, lora={"lora_dropout": 0.0}))
-    model = train.build_model(cfg)
+    model = lora_model.build_model(cfg)
     tok = train.load_tokenizer(cfg.model)
-    rows = train.rows(train.data.tokenize(train.data.read_jsonl(cfg.data.train_file)[:4], tok, 256, "error"))
-    batch = train.Collator(tok.pad_token_id)(rows)
-    assert train.checkpointed_layers(model) == (2, 2)
+    rows = batches.rows(data.tokenize(data.read_jsonl(cfg.data.train_file)[:4], tok, 256, "error"))
+    batch = batches.Collator(tok.pad_token_id)(rows)
+    assert lora_model.checkpointed_layers(model) == (2, 2)
     full = _grads(model, batch)
-    train.checkpoint_only(model, 1)
-    assert train.checkpointed_layers(model) == (1, 2)
+    lora_model.checkpoint_only(model, 1)
+    assert lora_model.checkpointed_layers(model) == (1, 2)
     partial = _grads(model, batch)
-    train.checkpoint_only(model, 0)
+    lora_model.checkpoint_only(model, 0)
     none = _grads(model, batch)
     assert full.keys() == partial.keys() == none.keys() and len(full) == 28  # 2 layers x 7 linears x A,B
     for n in full:
@@ -117,9 +123,9 @@ def test_gpu_only_settings_fail_clearly_on_cpu(tmp_path):
     for key in ("offload_activations", "offload_embeddings", "fused_kernels", "tiled_mlp"):
         cfg = load_config(write_config(tmp_path, training={key: "on"}))
         with pytest.raises(ValueError, match=rf"training\.{key}: on needs a CUDA GPU.*set it to auto"):
-            train.build_model(cfg) if key != "offload_activations" else train.make_trainer(cfg, None, [], None, tmp_path)
+            lora_model.build_model(cfg) if key != "offload_activations" else hf_trainer.make_trainer(cfg, None, [], None, tmp_path)
     cfg = load_config(write_config(tmp_path))
-    assert train.optimizer(cfg) == "adamw_torch" and not train.offload_activations(cfg) and not train.offload_embeddings(cfg)
+    assert kernels.optimizer(cfg) == "adamw_torch" and not kernels.offload_activations(cfg) and not kernels.offload_embeddings(cfg)
 
 
 def test_fit_choice_is_recorded(tmp_path):
@@ -141,7 +147,8 @@ def test_tokens_per_second_counts_only_the_micro_batches_trained_on(tmp_path):
     rows.write_text("".join((REPO / "assets/data/translate_train.jsonl").read_text().splitlines(keepends=True)[:10]))
     cfg = load_config(write_config(tmp_path, data={"train_file": str(rows)},
                                    training=SHORT | {"max_steps": 4, "per_device_train_batch_size": 2,
-                                                     "gradient_accumulation_steps": 2, "train_sampling_strategy": "sequential"}))
+                                                     "gradient_accumulation_steps": 2, "train_sampling_strategy": "sequential",
+                                                     "packing": "off"}))
     r = train.run(cfg, tmp_path / "train")
     ids = data.tokenize(data.read_jsonl(rows), load_tokenizer(cfg.model), cfg.data.max_length, cfg.data.long_sample_policy).input_ids
     assert len(ids) == 10 and r.steps == 4

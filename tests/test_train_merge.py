@@ -8,7 +8,7 @@ import pytest
 import torch
 from peft import PeftModel
 
-from stages import merge, train
+from stages import lora_model, merge, train
 from stages.config import load_config
 from stages.modelio import load_base, load_tokenizer
 from tests.conftest import write_config
@@ -27,7 +27,7 @@ def qlora(tmp_path_factory):
 
 def test_model_is_set_up_the_way_that_saves_memory(tmp_path):
     cfg = load_config(write_config(tmp_path, quantization={"load_in_4bit": True}))
-    model = train.build_model(cfg)
+    model = lora_model.build_model(cfg)
     base = model.get_base_model()
     assert model.training and base.training  # checkpointing is a no-op in eval mode
     assert base.is_gradient_checkpointing

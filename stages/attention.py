@@ -1,0 +1,119 @@
+"""The attention kernel a model's shapes get, and (for packed micro-batches) attention that
+never crosses a sample boundary: torch's varlen flash kernel, flex attention, or SDPA with
+transformers' block-diagonal mask."""
+
+from __future__ import annotations
+
+import torch
+
+from stages.modelio import compute_dtype, device
+
+
+def attention_kernel(model) -> str:
+    """Which SDPA kernel the model's attention shapes get on this device, checked once here.
+
+    Checked on a same-shaped call, never by wrapping the forward in `sdpa_kernel`: that
+    context is gone when checkpointing recomputes the layer in backward, which then picks
+    another kernel and fails the recompute's metadata check.
+    """
+    impl = model.config._attn_implementation
+    if device().type != "cuda" or impl != "sdpa":
+        return f"{impl} ({device().type})"
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    c = model.config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    q = torch.randn(1, c.num_attention_heads, 256, head_dim, device="cuda", dtype=compute_dtype("auto"))
+    for name, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("memory-efficient", SDPBackend.EFFICIENT_ATTENTION)):
+        try:
+            with sdpa_kernel(backend):
+                torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+            return f"sdpa: {name}"
+        except RuntimeError:
+            continue
+    print("train: WARNING: neither flash nor memory-efficient SDPA runs here: attention falls back to the math kernel "
+          "(memory quadratic in sequence length)")
+    return "sdpa: math (quadratic memory)"
+
+
+VARLEN = "tae_varlen"  # the name the varlen attention is registered under in transformers
+
+
+def varlen_available() -> bool:
+    """torch's variable-length flash kernel (torch >= 2.10, CUDA); on CPU the per-sample loop always is."""
+    if device().type != "cuda":
+        return True
+    try:
+        from torch.nn.attention import varlen  # noqa: F401
+    except ImportError:
+        return False
+    return torch.cuda.get_device_capability()[0] >= 8  # flash attention: Ampere and later
+
+
+def use_packed_attention(model, kind: str) -> None:
+    """Switch a loaded model to the attention that keeps packed samples apart.
+
+    `mask` leaves the model's own attention (sdpa, eager, flash_attention_2), which reads the
+    sample boundaries from the restarting position ids.
+    """
+    if kind == "varlen":
+        _register_varlen()
+        model.set_attn_implementation(VARLEN)
+    elif kind == "flex_attention":
+        model.set_attn_implementation("flex_attention")
+
+
+def _register_varlen() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    AttentionInterface.register(VARLEN, varlen_attention)
+    # No mask tensor at all: the boundaries come as cu_seq_lens (stages/packing.collate).
+    ALL_MASK_ATTENTION_FUNCTIONS.register(VARLEN, lambda *args, **kwargs: None)
+
+
+def varlen_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, *, cu_seq_lens_q=None,
+                     cu_seq_lens_k=None, max_length_q=None, max_length_k=None, **kwargs):
+    """transformers' attention-function signature over one packed row: query [1, heads, tokens, dim],
+    key/value [1, kv_heads, tokens, dim]; returns [1, tokens, heads, dim] and no weights."""
+    if cu_seq_lens_q is None:  # one unpacked row (no padding, or a mask would have come): a single sample
+        if query.shape[0] != 1 or attention_mask is not None:
+            raise RuntimeError("varlen attention got a padded batch: it runs on packed micro-batches (stages.packing.collate "
+                               "with varlen=True) or single rows; set training.packed_attention: mask")
+        t = query.shape[2]
+        cu_seq_lens_q = cu_seq_lens_k = torch.tensor([0, t], dtype=torch.int32, device=query.device)
+        max_length_q = max_length_k = t
+    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [tokens, heads, dim]
+    if device().type == "cuda":
+        out = _flash_varlen(q, k, v, cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k, scaling)
+    else:
+        out = _per_sample(q, k, v, cu_seq_lens_q, scaling)
+    return out.unsqueeze(0), None
+
+
+def _flash_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale):
+    import inspect
+
+    from torch.nn.attention.varlen import varlen_attn
+
+    params = inspect.signature(varlen_attn).parameters
+    if q.shape[1] != k.shape[1] and "enable_gqa" not in params:  # torch 2.10/2.11: heads must match
+        k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
+    kw = {"scale": scale} if "scale" in params else {}
+    if "is_causal" in params:  # torch 2.10-2.11
+        kw["is_causal"] = True
+    else:  # torch >= 2.12: causal is a window reaching no future token
+        kw["window_size"] = (-1, 0)
+    if "enable_gqa" in params:
+        kw["enable_gqa"] = q.shape[1] != k.shape[1]
+    return varlen_attn(q, k, v, cu_q, cu_k, int(max_q), int(max_k), **kw)
+
+
+def _per_sample(q, k, v, cu, scale):
+    """The same attention one sample at a time with causal SDPA: exact on any device, no
+    tokens x tokens mask (CPU, tests)."""
+    bounds = cu.tolist()
+    parts = [torch.nn.functional.scaled_dot_product_attention(
+        q[a:b].transpose(0, 1), k[a:b].transpose(0, 1), v[a:b].transpose(0, 1), is_causal=True, scale=scale,
+        enable_gqa=q.shape[1] != k.shape[1]).transpose(0, 1) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+    return torch.cat(parts)

@@ -1,0 +1,208 @@
+"""The HF Trainer as training (and the preflight's probe) runs it, its callbacks, and how
+a finished or failed one lets go of the model."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+import torch
+from transformers import TrainerCallback
+
+from stages import kernels, memory
+from stages.config import RunConfig
+from stages.modelio import compute_dtype, device
+from stages.offload import OffloadActivations
+from stages.packing import PackedRows
+
+
+class _NumericCheckpointOrder(logging.Filter):
+    """The Trainer sorts checkpoints by mtime and, when two were saved within a second (short
+    steps, coarse file systems), warns and sorts them by step number instead: what we want anyway."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "mtime may not be reliable" not in record.getMessage()
+
+
+logging.getLogger("transformers.trainer_utils").addFilter(_NumericCheckpointOrder())
+
+
+def make_trainer(cfg: RunConfig, model, train_rows, collator, out_dir: Path,
+                 callbacks: list | None = None, **overrides):
+    """The HF Trainer exactly as training uses it; `overrides` change TrainingArguments (the probe's 2 steps).
+
+    `train_rows` is a list of rows (padded) or a PackedRows plan (packed): the Trainer then reads
+    one packed micro-batch per item, in the plan's order, which is already shuffled and seeded.
+    """
+    from transformers import Trainer, TrainingArguments
+
+    t = cfg.training
+    packed = isinstance(train_rows, PackedRows)
+    on_gpu = device().type == "cuda"
+    dtype = compute_dtype(cfg.model.torch_dtype)
+    kwargs = dict(
+        output_dir=str(out_dir / "checkpoints"),
+        per_device_train_batch_size=1 if packed else t.per_device_train_batch_size,
+        gradient_accumulation_steps=t.gradient_accumulation_steps,
+        learning_rate=t.learning_rate,
+        lr_scheduler_type=t.lr_scheduler_type,
+        warmup_steps=t.warmup_steps,
+        weight_decay=t.weight_decay,
+        max_grad_norm=t.max_grad_norm,
+        max_steps=t.max_steps,
+        optim=kernels.optimizer(cfg),
+        train_sampling_strategy="sequential" if packed else t.train_sampling_strategy,
+        logging_steps=t.logging_steps,
+        save_strategy="steps",
+        save_steps=t.save_steps,
+        save_total_limit=t.save_total_limit,
+        seed=t.seed,
+        data_seed=t.seed,
+        gradient_checkpointing=False,  # set up in build_model, in the order that works
+        bf16=on_gpu and dtype == torch.bfloat16,
+        fp16=on_gpu and dtype == torch.float16,
+        use_cpu=not on_gpu,
+        dataloader_pin_memory=on_gpu,
+        dataloader_num_workers=0,  # workers fork the dataset; /dev/shm errors are not worth it here
+        remove_unused_columns=False,
+        include_num_input_tokens_seen="no",  # its count calls .item() every micro-batch: the Collator counts instead
+        report_to=[],
+        ddp_find_unused_parameters=False,  # every adapter gets a gradient; the search would cost a pass
+        disable_tqdm=False,
+        logging_first_step=True,
+    )
+    args = TrainingArguments(**(kwargs | overrides))
+    if args.n_gpu > 1:
+        # One process and several visible GPUs: the Trainer would wrap nn.DataParallel, which copies the
+        # model to every GPU each step and puts Liger's loss terms on two devices. One process trains on
+        # its own GPU; several GPUs are `launcher: accelerate` (DDP).
+        args._n_gpu = 1
+
+    offload = kernels.offload_activations(cfg)
+
+    class OffloadingTrainer(Trainer):
+        """The forward runs with saved activations offloaded to pinned CPU memory (when on), and
+        the micro-batches trained on are counted (tokens/s, the OOM post-mortem's batch)."""
+
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            # self.model, not the enclosing `model`: a closure would keep the model alive as long as
+            # this class, i.e. as long as the trainer, after release() has dropped every other reference
+            self.offload = OffloadActivations(self.model) if offload else None
+            self.micro_batches = 0  # trained on in this process (an epoch's last step can have fewer than the accumulation)
+
+        def training_step(self, *args, **kwargs):
+            self.micro_batches += 1
+            return super().training_step(*args, **kwargs)
+
+        def compute_loss_context_manager(self):
+            stack = super().compute_loss_context_manager()
+            if self.offload is not None:
+                self.offload.reset()  # the previous micro-batch's backward is done
+                stack.enter_context(self.offload)
+            return stack
+
+    return OffloadingTrainer(
+        model=model, args=args, train_dataset=train_rows,
+        data_collator=collator,
+        callbacks=[MemoryCallback(out_dir / "memory_steps.jsonl"), *(callbacks or [])],
+    )
+
+
+def release(trainer) -> None:
+    """Drop every reference a Trainer (finished or failed) holds to the model, its optimizer
+    states and the offloaded activations, so that freeing the model returns all its memory.
+    Keeps what the results need (state, args, the micro-batch count)."""
+    if trainer.model is not None:
+        forget_optimizer_overrides(trainer.model)
+    if trainer.offload is not None:
+        trainer.offload.reset()
+        trainer.offload = None
+    trainer.accelerator.free_memory()  # accelerate's lists of prepared models, optimizers and dataloaders
+    trainer.model = trainer.model_wrapped = trainer.optimizer = trainer.lr_scheduler = None
+    handler = trainer.callback_handler
+    handler.model = handler.optimizer = handler.lr_scheduler = handler.train_dataloader = handler.eval_dataloader = None
+
+
+def forget_optimizer_overrides(model) -> None:
+    """Unregister the model's modules from bitsandbytes' process-wide GlobalOptimManager.
+
+    With an 8-bit bitsandbytes optimizer the HF Trainer registers every nn.Embedding there for
+    32-bit states, and nothing ever unregisters it: the table outlived its model, one more per
+    build in a process (measured: +445 MiB per build of a tied Qwen2.5-1.5B; the probe's table
+    was still allocated during training). A table in host memory (HostEmbedding) is no
+    nn.Embedding, so only tied models, whose table stays on the GPU, leaked by default.
+    """
+    bnb_optim = sys.modules.get("bitsandbytes.optim")
+    if bnb_optim is None:  # never imported: nothing registered
+        return
+    manager = bnb_optim.GlobalOptimManager.get_instance()
+    mine = {id(m) for m in model.modules()}
+    manager.module_weight_config_triple = [t for t in manager.module_weight_config_triple if id(t[0]) not in mine]
+
+
+class MemoryCallback(TrainerCallback):
+    """Appends memory.stats() at every optimizer step to a JSON-lines file.
+
+    Only reads state; the CUDA figures come from the allocator's counters, not a sync.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if not state.is_world_process_zero:
+            return control
+        row = {"step": state.global_step, "time": round(time.time(), 3)} | {
+            k: round(v, 4) for k, v in memory.stats().items()
+        }
+        with self.path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        return control
+
+
+def last_checkpoint(ckpt_dir: Path) -> Path | None:
+    """The newest complete checkpoint (trainer_state.json is written last)."""
+    done = [p for p in ckpt_dir.glob("checkpoint-*") if (p / "trainer_state.json").is_file()]
+    return max(done, key=step_of, default=None)
+
+
+def step_of(p: Path) -> int:
+    return int(p.name.rsplit("-", 1)[1])
+
+
+class MemorySnapshot(TrainerCallback):
+    """Every CUDA allocation (with its stack) of the first `steps` optimizer steps, for PyTorch's memory viewer."""
+
+    recording = False
+
+    def __init__(self, steps: int, path: Path) -> None:
+        self.steps, self.path = steps, path
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        torch.cuda.memory._record_memory_history(max_entries=200_000)
+        MemorySnapshot.recording = True
+        return control
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if MemorySnapshot.recording and state.global_step >= self.steps:
+            torch.cuda.memory._dump_snapshot(str(self.path))
+            torch.cuda.memory._record_memory_history(enabled=None)
+            MemorySnapshot.recording = False
+        return control
+
+
+class InjectOOM(TrainerCallback):
+    """Test hook: a CUDA out-of-memory error at the start of optimizer step `step`."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if state.global_step + 1 == self.step:
+            raise torch.OutOfMemoryError(f"injected CUDA out of memory at step {self.step} (test hook)")
+        return control

@@ -1,0 +1,161 @@
+"""What the `auto` training settings resolve to, and the Liger kernels they switch on.
+
+`resolve_auto` is the one place the settings are decided: training passes what this machine
+has, the preflight estimate the device it estimates for.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+from stages.config import ConfigError, RunConfig
+from stages.modelio import device
+
+TILE_FROM_TOKENS = 32768
+
+
+def resolve_auto(cfg: RunConfig, *, on_gpu: bool, liger: bool = True, bnb: bool = True, varlen: bool = True,
+                 longest: int | None = None) -> dict:
+    """What the `auto` training settings become on a GPU (`on_gpu`) or a CPU.
+
+    Args:
+        liger, bnb, varlen: whether liger-kernel, bitsandbytes and torch's varlen attention are there.
+        longest: the longest sample the data holds after data.long_sample_policy (the preflight scan
+            and training know it); None assumes data.max_length.
+    """
+    t = cfg.training
+    memory_first = on_gpu and t.fit == "memory"
+    # Packing is on where it was measured at least as fast: CPU so far (bench/results/packing_cpu.json).
+    packed = t.packing == "on" or (t.packing == "auto" and not on_gpu)
+    # The tiled MLP pays one more MLP forward per layer to keep the tokens x intermediate activations small:
+    # worth it only when the widest micro-batch the data can make is long (padded: micro-batch x longest sample).
+    widest = cfg.token_budget() if packed else t.per_device_train_batch_size * (longest or cfg.data.max_length)
+    return {
+        "packing": packed,
+        "packed_attention": None if not packed else t.packed_attention if t.packed_attention != "auto"
+        # CPU: the block-diagonal mask measured faster than the per-sample loop (bench/results/packing_cpu.json)
+        else "varlen" if on_gpu and varlen else "mask",
+        "widest_micro_batch": widest,
+        "fused_kernels": t.fused_kernels == "on" or (t.fused_kernels == "auto" and on_gpu and liger),
+        "offload_activations": t.offload_activations == "on"
+        or (t.offload_activations == "auto" and memory_first and t.gradient_checkpointing),
+        "offload_embeddings": t.offload_embeddings == "on" or (t.offload_embeddings == "auto" and memory_first),
+        "tiled_mlp": t.tiled_mlp == "on" or (t.tiled_mlp == "auto" and on_gpu and liger and widest >= TILE_FROM_TOKENS),
+        # 8-bit paged AdamW when memory comes first (-0.24 GiB, -1.5% tokens/s on R7), fused AdamW when speed does
+        "optim": t.optim if t.optim != "auto" else
+        "paged_adamw_8bit" if memory_first and bnb else "adamw_torch_fused" if on_gpu else "adamw_torch",
+    }
+
+
+def _resolved(cfg: RunConfig, key: str, longest: int | None = None) -> bool | str | None:
+    """`key` of resolve_auto on this machine; a GPU-only setting forced `on` without a GPU is an error."""
+    from stages.attention import varlen_available
+
+    on_gpu = device().type == "cuda"
+    needs = {"fused_kernels": "a CUDA GPU and liger-kernel (`pip install -e .[gpu]`)",
+             "tiled_mlp": "a CUDA GPU and liger-kernel (`pip install -e .[gpu]`)",
+             "offload_activations": "a CUDA GPU (pinned host memory, copy streams)",
+             "offload_embeddings": "a CUDA GPU (the table is already in host memory on CPU)"}
+    if key in needs and getattr(cfg.training, key) == "on" and not (on_gpu and (_has_liger() or "liger" not in needs[key])):
+        raise ConfigError(f"training.{key}: on needs {needs[key]}; set it to auto or off")
+    if key == "packed_attention" and cfg.training.packed_attention == "flex_attention" and not on_gpu:
+        raise ConfigError("training.packed_attention: flex_attention needs a CUDA GPU (torch has no flex attention backward on "
+                          "CPU); set it to auto, varlen or mask")
+    if key == "packed_attention" and cfg.training.packed_attention == "varlen" and not varlen_available():
+        raise ConfigError("training.packed_attention: varlen needs torch >= 2.10 (torch.nn.attention.varlen) and an Ampere or "
+                          "newer GPU; set it to auto, flex_attention or mask")
+    return resolve_auto(cfg, on_gpu=on_gpu, liger=_has_liger(), bnb=importlib.util.find_spec("bitsandbytes") is not None,
+                        varlen=varlen_available(), longest=longest)[key]
+
+
+def fused_kernels(cfg: RunConfig) -> bool:
+    return _resolved(cfg, "fused_kernels")
+
+
+def offload_activations(cfg: RunConfig) -> bool:
+    return _resolved(cfg, "offload_activations")
+
+
+def offload_embeddings(cfg: RunConfig) -> bool:
+    return _resolved(cfg, "offload_embeddings")
+
+
+def optimizer(cfg: RunConfig) -> str:
+    return _resolved(cfg, "optim")
+
+
+def tiled_mlp(cfg: RunConfig, longest: int | None = None) -> bool:
+    return _resolved(cfg, "tiled_mlp", longest)
+
+
+def packing(cfg: RunConfig) -> bool:
+    return _resolved(cfg, "packing")
+
+
+def packed_attention(cfg: RunConfig) -> str | None:
+    """varlen, flex_attention or mask when packing, else None."""
+    return _resolved(cfg, "packed_attention")
+
+
+def tile_mlp(model, on: bool = True) -> int:
+    """Wrap (or unwrap) every decoder MLP in Liger's tiled MLP; returns how many are tiled.
+
+    At 80k tokens one Qwen2-7B MLP's gate/up/product activations and their grads are
+    ~7 x 2.9 GiB; in tiles of hidden_size tokens they are ~7 x 0.13 GiB.
+    """
+    from liger_kernel.ops.tiled_mlp import apply_tiled_mlp
+
+    n = 0
+    for layer in model.modules():
+        mlp = getattr(layer, "mlp", None)
+        if mlp is None or not hasattr(mlp, "down_proj"):
+            continue
+        if "_untiled_forward" in mlp.__dict__:
+            mlp.forward = mlp.__dict__.pop("_untiled_forward")
+        if on:
+            inner = mlp.forward
+            mlp._untiled_forward = inner
+            mlp.forward = lambda x, _m=mlp, _f=inner: apply_tiled_mlp(fn=lambda m, xs: _f(xs), mlp_module=_m, x=x)
+            n += 1
+    return n
+
+
+def cross_entropy(cfg: RunConfig) -> str:
+    """plain or chunked: `auto` is chunked (Liger's fused linear cross-entropy) on a GPU."""
+    choice = cfg.training.cross_entropy
+    if choice == "auto":
+        return "chunked" if device().type == "cuda" and _has_liger() else "plain"
+    if choice == "chunked" and not (device().type == "cuda" and _has_liger()):
+        raise ConfigError(
+            "training.cross_entropy: chunked needs a CUDA GPU and liger-kernel (`pip install -e .[gpu]`, Triton-based); "
+            "set training.cross_entropy: plain (or auto) on this machine"
+        )
+    return choice
+
+
+def _has_liger() -> bool:
+    return importlib.util.find_spec("liger_kernel") is not None
+
+
+def use_liger(model, *, loss: bool, kernels: bool, forced: bool = True) -> None:
+    """Liger Kernel on this model instance: the fused linear cross-entropy never materialises
+    the vocab x tokens logits; RMSNorm, SwiGLU and RoPE kernels save activations and time.
+
+    The loss and the norm/MLP kernels are bound to this instance's modules; Liger also swaps
+    the RoPE function and the RMSNorm/MLP classes in the model's transformers module, so a
+    model of the same family built later in this process (merge) gets them too (same maths).
+    """
+    if not (loss or kernels):
+        return
+    from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
+
+    apply = MODEL_TYPE_TO_APPLY_LIGER_FN.get(model.config.model_type)
+    if apply is None:
+        if not forced:  # `auto`: the stock modules and loss, and the probe measures what that costs
+            print(f"train: liger-kernel has no kernels for model_type {model.config.model_type!r}: stock modules and loss")
+            return
+        raise ConfigError(
+            f"liger-kernel has no kernels for model_type {model.config.model_type!r}; "
+            "set training.cross_entropy and training.fused_kernels to auto (stock modules) or plain/off"
+        )
+    apply(model=model, fused_linear_cross_entropy=loss, cross_entropy=False, rope=kernels, rms_norm=kernels, swiglu=kernels)

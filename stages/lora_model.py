@@ -1,0 +1,88 @@
+"""The model training trains: frozen base (16-bit or NF4) + LoRA adapter, in train mode, with
+checkpointing, kernels and offloads set up in the order that works. Training and the
+preflight's probe build it here, the same way."""
+
+from __future__ import annotations
+
+import torch
+
+from stages import kernels
+from stages.attention import use_packed_attention
+from stages.config import ConfigError, RunConfig
+from stages.modelio import load_base
+from stages.offload import embeddings_to_host
+
+
+def build_model(cfg: RunConfig, longest: int | None = None):
+    """Frozen base + LoRA adapter, in train mode, checkpointing set up the way that works.
+
+    Args:
+        longest: the data's longest sample (sizes the widest micro-batch, which decides the tiled
+            MLP); None assumes data.max_length.
+    """
+    from peft import LoraConfig, get_peft_model
+    from transformers import set_seed
+
+    model = load_base(cfg.model, cfg.quantization)
+    if kernels.packing(cfg):
+        use_packed_attention(model, kernels.packed_attention(cfg))
+    kernels.use_liger(model, loss=kernels.cross_entropy(cfg) == "chunked", kernels=kernels.fused_kernels(cfg),
+              forced=cfg.training.cross_entropy == "chunked" or cfg.training.fused_kernels == "on")
+    if kernels.tiled_mlp(cfg, longest):
+        kernels.tile_mlp(model)
+    if kernels.offload_embeddings(cfg):
+        embeddings_to_host(model)
+    model.config.use_cache = False  # the KV cache is useless in training and costs memory
+    model.train()  # from_pretrained returns eval mode; checkpointing is a no-op there
+    if cfg.training.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.enable_input_require_grads()
+    # The adapter's random init draws from the global RNG: seed it here, not only in the
+    # Trainer (created later), or two runs of one config start from different adapters.
+    set_seed(cfg.training.seed)
+    try:
+        model = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", **cfg.lora.model_dump()))
+    except ValueError as e:
+        if "not found in the base model" not in str(e) and "Target modules" not in str(e):
+            raise
+        raise ConfigError(
+            f"lora.target_modules {cfg.lora.target_modules} match no module of {type(model).__name__}; "
+            f"its linear modules are: {sorted(linear_module_names(model))} (or use all-linear)"
+        ) from None
+    check_only_lora_trains(model)
+    return model
+
+
+def linear_module_names(model) -> set[str]:
+    """Leaf names of the linear layers LoRA can adapt (16-bit or bitsandbytes 4-bit)."""
+    names = set()
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) or type(module).__name__ in ("Linear4bit", "Linear8bitLt"):
+            names.add(name.rsplit(".", 1)[-1])
+    return names
+
+
+def _decoder_layers(model) -> list:
+    """The repeated blocks transformers can checkpoint, in order."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+
+
+def checkpoint_only(model, n: int) -> None:
+    """Checkpoint the first `n` decoder layers, keep the activations of the others (faster)."""
+    for i, layer in enumerate(_decoder_layers(model)):
+        layer.gradient_checkpointing = i < n
+
+
+def checkpointed_layers(model) -> tuple[int, int]:
+    """(checkpointed, total) decoder layers."""
+    layers = _decoder_layers(model)
+    return sum(bool(m.gradient_checkpointing) for m in layers), len(layers)
+
+
+def check_only_lora_trains(model) -> None:
+    """Frozen means frozen: a base weight with requires_grad would add grads and optimizer state."""
+    leaked = [n for n, p in model.named_parameters() if p.requires_grad and "lora_" not in n]
+    if leaked:
+        raise RuntimeError(f"{len(leaked)} non-LoRA parameters require grad (e.g. {leaked[:3]}); only adapters may train")

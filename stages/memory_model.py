@@ -1,0 +1,231 @@
+"""The analytic memory model: what one optimizer step of the train stage needs on a GPU (or CPU),
+itemised, from config.json shapes and the resolved training settings. The preflight, the
+autofit and the benches read it; nothing here loads a model.
+
+The coefficients are fitted to runs measured on an H200 (bench/fit_memory.py).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from stages.config import RunConfig
+from stages.kernels import resolve_auto
+from stages.memory import GIB
+from stages.modelio import compute_dtype
+
+KNOWN_MODEL_TYPES = {"llama", "qwen2", "mistral", "qwen3"}
+ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+NF4_BYTES = {True: 0.5 + 1 / 64 + 4 / (64 * 256), False: 0.5 + 4 / 64}  # 4-bit + absmax (double-quant or fp32)
+OPTIM_BYTES = {"auto": 8, "adamw_torch": 8, "adamw_torch_fused": 8, "paged_adamw_8bit": 2, "adamw_8bit": 2, "sgd": 0}
+CUBLAS_WORKSPACE = 64 * 2**20  # cuBLAS's workspaces in torch's allocator: what stays allocated after a freed model (H200)
+LOSS_H = 3  # hidden-sized tensors around Liger's loss: the final hidden states, their norm, the input gradient it computes in forward
+# Fitted by bench/fit_memory.py to the default-settings grid (bench/results/memory_grid_raw_run*.jsonl).
+COEF = dict(
+    layer_h=5.765,      # x T*H*act: hidden-sized tensors and grads of the layer being back-propagated (beyond its input)
+    layer_kv=2.0,       # x T*KV*act: its key/value-sized ones
+    layer_i=3.081,      # x T*I*act: its intermediate-sized ones, untiled (SwiGLU's gate and up, the product's grad)
+    tiled_h=4.63,       # x T*H*act: with the tiled MLP instead: its saved input and the input grad it accumulates
+    tile_i=0.175,       # x shard*I*act: one tiled-MLP shard recomputed and back-propagated
+    nf4_i=0.894,        # x T*I*act: QLoRA, untiled: one more intermediate-sized tensor than 16-bit LoRA (measured, not traced)
+    nf4_tiled_h=-1.436, # x T*H*act: QLoRA, tiled: hidden-sized difference to 16-bit LoRA (measured)
+    mask=4.519,         # bytes per element of the batch x seq x seq padding mask
+    slack_gib=0.125,    # allocator: what a capped run cannot give back (partly used pages, the small-block pool)
+    slack=0.01,         # allocator: as a fraction of the step's activations
+    logits=14.07,       # bytes per logit element, plain cross-entropy (bf16 logits, fp32 upcast, fp32 grad; earlier grid)
+    frag_logits=0.005,  # reserved - allocated, per plain-CE logit element (earlier grid)
+)
+
+
+@dataclass
+class Shapes:
+    """What the estimate needs from config.json; `unknown` says what could not be read."""
+
+    vocab: int
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    tied: bool
+    experts: int = 1
+    unknown: list[str] = field(default_factory=list)
+
+    @classmethod
+    def from_config(cls, cfg: dict) -> Shapes:
+        """Reads Llama/Qwen/Mistral-style names, with GPT-style fallbacks; never raises on a missing key."""
+        cfg = cfg.get("text_config", cfg)
+        unknown = []
+
+        def get(*names, default=0):
+            for n in names:
+                if cfg.get(n) is not None:
+                    return cfg[n]
+            unknown.append(f"{names[0]} (config.json has none of {', '.join(names)})")
+            return default
+
+        hidden = get("hidden_size", "n_embd", "d_model")
+        heads = get("num_attention_heads", "n_head", "num_heads", default=1)
+        shapes = cls(
+            vocab=get("vocab_size"), hidden=hidden, intermediate=get("intermediate_size", "n_inner", "ffn_dim", default=4 * hidden),
+            layers=get("num_hidden_layers", "n_layer", "num_layers"), heads=heads,
+            kv_heads=cfg.get("num_key_value_heads") or heads, head_dim=cfg.get("head_dim") or (hidden // heads if heads else 0),
+            tied=bool(cfg.get("tie_word_embeddings", False)),
+            experts=int(cfg.get("num_local_experts") or cfg.get("num_experts") or 1), unknown=unknown,
+        )
+        arch = (cfg.get("architectures") or ["?"])[0]
+        if cfg.get("model_type") not in KNOWN_MODEL_TYPES:
+            shapes.unknown.append(
+                f"architecture {arch} (model_type {cfg.get('model_type')!r}) is not one the estimate was calibrated on "
+                f"({', '.join(sorted(KNOWN_MODEL_TYPES))}): weights are counted from the shapes above, activations assume a "
+                "Llama-style decoder; trust the GPU probe over the estimate"
+            )
+        if shapes.experts > 1:
+            shapes.unknown.append(f"{shapes.experts} experts: every expert's MLP weights are counted, activations as if dense")
+        return shapes
+
+    def linears(self) -> dict[str, tuple[int, int]]:
+        """(in, out) features of each per-layer linear module."""
+        h, q, kv, i = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim, self.intermediate
+        return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+                "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+
+
+@dataclass
+class Estimate:
+    items_gib: dict[str, float]
+    total_gib: float
+    items_bytes: dict[str, float] = field(default_factory=dict, repr=False)
+
+
+def estimate(cfg: RunConfig, s: Shapes, longest: int, on_gpu: bool, coef: dict | None = None) -> Estimate:
+    """Memory one optimizer step on the heaviest micro-batch needs: on a GPU, the smallest cap under
+    which it runs (its peak allocated plus the allocator's slack; bench/results/cap_at_estimate.json).
+
+    The heaviest micro-batch, for data whose longest sample has `longest` tokens: padded, the
+    micro-batch padded to `longest`; packed, one row of the full token budget (sample boundaries
+    cost no memory with varlen or flex attention; a tokens x tokens mask with `mask`).
+
+    Counted from what each piece of the training stage keeps, with the settings it resolves
+    (`kernels.resolve_auto`: host embeddings, offloaded layer inputs, Liger kernels, 8-bit
+    paged AdamW, the tiled MLP):
+      persistent  base weights (16-bit, or NF4 + 16-bit embeddings/lm_head/norms for QLoRA;
+                  the input table in host memory when untied and offloaded), fp32 adapters
+                  and their grads, optimizer states as bitsandbytes places them (a paged
+                  state lives in CUDA managed memory, outside torch's allocator), cuBLAS's
+                  workspaces
+      kept        what autograd holds between forward and backward: each checkpointed
+                  layer's input (two of them on the GPU when offloaded: in use, prefetched),
+                  or every layer's saved tensors without checkpointing
+      peak moment the larger of
+                  layer: one layer recomputed and back-propagated: its hidden-, KV- and
+                  (untiled) intermediate-sized tensors and grads, one tile of the tiled MLP,
+                  the dropout copy and mask of every adapted module's input, and for QLoRA
+                  the largest weight dequantized for its input gradient
+                  loss: the final hidden states and, chunked (Liger's fused linear
+                  cross-entropy), one chunk of logits; plain, the whole tokens x vocab
+                  logits in 16 and 32 bits
+      mask        the 4-D padding mask of a padded micro-batch (batch x seq x seq)
+      allocator   the slack a capped run cannot give back (partly used pages, the small-block
+                  pool); what an uncapped run reserves beyond that is returned under a cap
+    Coefficients (COEF) are fitted to the measured grid (bench/fit_memory.py), one per
+    mechanism, not per shape.
+    """
+    k = COEF | (coef or {})
+    t, lo, q = cfg.training, cfg.lora, cfg.quantization
+    gpu = resolve_auto(cfg, on_gpu=on_gpu, longest=longest)  # the settings as the train stage resolves them there
+    act = compute_dtype(cfg.model.torch_dtype, cuda=on_gpu).itemsize
+    b, seq = (1, cfg.token_budget()) if gpu["packing"] else (t.per_device_train_batch_size, longest)
+    tokens = b * seq
+    lin = s.linears()
+    h, i, kv = s.hidden, s.intermediate, s.kv_heads * s.head_dim
+    mlp = {"gate_proj", "up_proj", "down_proj"}
+    linear_params = s.layers * sum(a * o * (s.experts if m in mlp else 1) for m, (a, o) in lin.items())
+    table = s.vocab * s.hidden
+    host_embeddings = gpu["offload_embeddings"] and not s.tied  # a table tied to lm_head stays on the GPU
+    other_params = (0 if host_embeddings else table) + (0 if s.tied else table) + (2 * s.layers + 1) * s.hidden
+    linear_bytes = linear_params * (NF4_BYTES[q.bnb_4bit_use_double_quant] if q.load_in_4bit else act)
+    weights = linear_bytes + other_params * act
+
+    targets = list(lin) if lo.target_modules == "all-linear" else [m for m in lo.target_modules if m in lin]
+    matrices = [n for m in targets for n in (lo.r * lin[m][0], lo.r * lin[m][1])]  # lora_A, lora_B of one layer
+    lora_params = s.layers * sum(matrices)
+    states = s.layers * sum(_state_bytes(gpu["optim"], n, on_gpu) for n in matrices)
+    adapters = lora_params * 8 + states  # peft keeps adapters in fp32 (autocast_adapter_dtype): weight 4 + grad 4
+    workspace = CUBLAS_WORKSPACE if on_gpu else 0
+
+    dropout = tokens * sum(lin[m][0] for m in targets) * (act + 1) if lo.lora_dropout > 0 else 0  # copy + mask
+    tiled = gpu["tiled_mlp"]
+    if t.gradient_checkpointing:
+        kept = (2 if gpu["offload_activations"] else s.layers) * tokens * h * act
+        nf4 = q.load_in_4bit
+        if tiled:  # Liger's TiledMLP: shards of ceil(seq / hidden) per row, recomputed one at a time in backward
+            shard = b * math.ceil(seq / math.ceil(seq / h))
+            layer = (tokens * act * (k["layer_h"] * h + k["layer_kv"] * kv + (k["tiled_h"] + nf4 * k["nf4_tiled_h"]) * h)
+                     + k["tile_i"] * shard * i * act)
+        else:
+            layer = tokens * act * (k["layer_h"] * h + k["layer_kv"] * kv + (k["layer_i"] + nf4 * k["nf4_i"]) * i)
+        layer += dropout
+        if nf4:  # bitsandbytes dequantizes the weight to compute the input gradient
+            layer += max(a * o for a, o in lin.values()) * act
+    else:
+        kept = s.layers * (tokens * act * (k["layer_h"] * h + k["layer_kv"] * kv + k["layer_i"] * i) + dropout)
+        layer = 0.0
+    chunked = loss_mode(cfg, on_gpu) == "chunked"
+    if chunked:  # Liger: chunks of next_pow2(tokens / ceil(vocab / hidden)) rows of logits, computed and consumed in turn
+        chunk = 1 << max(0, math.ceil(math.log2(math.ceil(tokens / math.ceil(s.vocab / h)))))
+        loss = LOSS_H * tokens * h * act + 2 * min(chunk, tokens) * s.vocab * act
+    else:
+        loss = LOSS_H * tokens * h * act + k["logits"] * tokens * s.vocab
+    # a padded micro-batch's padding mask; a packed one's block-diagonal mask (with `mask` attention)
+    mask = k["mask"] * b * seq * seq if b > 1 or gpu["packed_attention"] == "mask" else 0.0
+    if cfg.model.attn_implementation == "eager":  # the seq x seq scores, per head, saved per layer
+        mask += b * s.heads * seq * seq * act * (2 if t.gradient_checkpointing else 2 * s.layers)
+    phase, peak = ("loss", loss) if loss >= layer else ("layer recompute + backward", layer)
+    # With expandable segments the allocator unmaps free pages inside its segment and maps them where a request
+    # needs them once the process reaches its cap: the 4-21% more an uncapped run reserves is given back, and a
+    # run capped a few % above its peak allocated completes (bench/results/cap_check.json). What stays is slack.
+    overhead = (k["slack_gib"] * GIB + k["slack"] * (kept + peak + mask)
+                + (0.0 if chunked else k["frag_logits"] * tokens * s.vocab)) if on_gpu else 0.0
+    paged = s.layers * sum(_state_bytes(gpu["optim"], n, on_gpu, paged=True) for n in matrices)
+    items = {
+        "base weights" + (" (NF4 + 16-bit embeddings)" if q.load_in_4bit else "")
+        + (", input embedding in host memory" if host_embeddings else ""): weights,
+        f"LoRA weights+grads+{gpu['optim']} states ({lora_params / 1e6:.1f} M params)"
+        + (f"; {paged / GIB:.2f} GiB more states paged outside torch" if paged else ""): adapters,
+        "cuBLAS workspaces": workspace,
+        "activations kept for backward" + (" (layer inputs, checkpointed" + (", offloaded to host)" if gpu["offload_activations"] else ")")
+                                           if t.gradient_checkpointing else " (all layers)"): kept,
+        f"peak moment: {phase}" + (" (chunked cross-entropy)" if chunked and phase == "loss" else "")
+        + (" (tiled MLP)" if tiled and phase != "loss" else ""): peak,
+        "padding mask / attention scores": mask,
+        "allocator overhead (reserved - allocated)": overhead,
+    }
+    gib = {key: round(v / GIB, 4) for key, v in items.items()}
+    return Estimate(gib, round(sum(items.values()) / GIB, 4), items)
+
+
+def _state_bytes(optim: str, numel: int, on_gpu: bool, paged: bool = False) -> float:
+    """Optimizer-state bytes of one adapter matrix in torch's allocator (or, paged=True, in managed memory).
+
+    bitsandbytes keeps 8-bit states (2 x 1 byte + a 4-byte absmax per 256-block) for tensors of
+    at least 4096 elements and 32-bit ones below; its paged variants put states of 1e5 elements
+    and more in CUDA managed memory, which torch does not count and the driver can evict.
+    """
+    eight_bit = optim in ("paged_adamw_8bit", "adamw_8bit")
+    in_managed = optim.startswith("paged_") and on_gpu and numel >= 1e5
+    if paged:
+        return (2 + 8 / 256 if eight_bit else 8) * numel if in_managed else 0.0
+    if in_managed:
+        return 0.0
+    if eight_bit:
+        return (2 + 8 / 256) * numel if numel >= 4096 else 8 * numel
+    return OPTIM_BYTES[optim] * numel
+
+
+def loss_mode(cfg: RunConfig, on_gpu: bool) -> str:
+    if cfg.training.cross_entropy == "auto":
+        return "chunked" if on_gpu else "plain"
+    return cfg.training.cross_entropy

@@ -1,0 +1,155 @@
+"""Padding-free packing on the real tiny model: the plan, exactness against unpacked rows,
+isolation between samples of one packed row, the same optimizer step, and the preflight's
+packed worst step."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from stages import batches, hf_trainer, kernels, lora_model, packing, preflight
+from stages.config import ConfigError, load_config
+from tests.conftest import write_config
+
+
+def lognormal_lengths(n: int, median: float = 512, sigma: float = 0.89, cap: int = 8192, seed: int = 0) -> list[int]:
+    rng = random.Random(seed)
+    return [max(8, min(cap, round(median * math.exp(rng.gauss(0, sigma))))) for _ in range(n)]
+
+
+def test_the_plan_packs_every_sample_once_per_epoch_within_the_budget_and_is_seeded():
+    lengths = lognormal_lengths(4000)
+    budget = 16384
+    e0, e1 = packing.plan_epoch(lengths, budget, 0, 0), packing.plan_epoch(lengths, budget, 0, 1)
+    for epoch in (e0, e1):
+        assert sorted(i for b in epoch for i in b) == list(range(len(lengths)))
+        assert all(sum(lengths[i] for i in b) <= budget for b in epoch)
+    assert e0 == packing.plan_epoch(lengths, budget, 0, 0)  # the same seed and epoch: the same micro-batches
+    assert e0 != e1 and e0 != packing.plan_epoch(lengths, budget, 1, 0)
+    # the longest samples are not all at the start: windows are shuffled after packing
+    firsts = [max(lengths[i] for i in b) for b in e0[:10]]
+    assert min(firsts) < max(lengths)
+    # long-tailed data (median 512, sigma 0.89, as the issue measured): packing fills the budget, padding does not
+    assert packing.efficiency(lengths, e0, budget) > 0.97
+    assert packing.padded_efficiency(lengths, 4) < 0.6
+    epochs = packing.plan(lengths, budget, 0, micro_batches=len(e0) + 1)
+    assert len(epochs) == 2 and epochs[0] == e0 and epochs[1] == e1
+
+
+def test_a_sample_longer_than_the_budget_is_refused_by_name(tmp_path):
+    with pytest.raises(packing.PackingError, match="longer than the token budget 10"):
+        packing.plan_epoch([5, 11], 10, 0, 0)
+    cfg = load_config(write_config(tmp_path, training={"packing": "on", "max_tokens_per_batch": 16}))
+    with pytest.raises(ConfigError, match=r"max_tokens_per_batch is 16, shorter than the longest sample \(\d+ tokens.*set it to at least"):
+        preflight.run(cfg, tmp_path / "preflight")
+
+
+def _rows(cfg, n: int) -> list[dict]:
+    from stages import data
+    from stages.modelio import load_tokenizer
+
+    tok = data.tokenize(data.read_jsonl(cfg.data.train_file)[:n], load_tokenizer(cfg.model), cfg.data.max_length, "error")
+    return batches.rows(tok)
+
+
+def _token_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Per-position cross-entropy of the next token (0 where the label is -100)."""
+    return torch.nn.functional.cross_entropy(logits[:-1].float(), labels[1:], ignore_index=-100, reduction="none")
+
+
+@pytest.mark.parametrize("attention", ["mask", "varlen"])
+def test_packed_rows_give_each_sample_the_loss_it_has_alone_and_never_see_each_other(tmp_path, attention):
+    cfg = load_config(write_config(tmp_path, training={"packing": "on", "packed_attention": attention}))
+    model = lora_model.build_model(cfg).eval()
+    rows = _rows(cfg, 6)
+    packed = packing.collate(rows, varlen=attention == "varlen")
+    with torch.no_grad():
+        flat = model(**{k: v for k, v in packed.items() if k != "labels"}).logits[0]
+        start = 0
+        for r in rows:
+            n = len(r["input_ids"])
+            alone = model(input_ids=torch.tensor([r["input_ids"]])).logits[0]
+            torch.testing.assert_close(flat[start:start + n], alone, atol=2e-5, rtol=1e-4)
+            labels = torch.tensor(r["labels"])
+            torch.testing.assert_close(_token_losses(flat[start:start + n], labels), _token_losses(alone, labels), atol=2e-5, rtol=1e-4)
+            start += n
+        # change every token of sample 2: no logit of any other sample moves
+        changed = [dict(r) for r in rows]
+        changed[2] = {**rows[2], "input_ids": [(t * 7 + 3) % 400 + 5 for t in rows[2]["input_ids"]]}
+        again = model(**{k: v for k, v in packing.collate(changed, varlen=attention == "varlen").items() if k != "labels"}).logits[0]
+    bounds = [0]
+    for r in rows:
+        bounds.append(bounds[-1] + len(r["input_ids"]))
+    for k in range(len(rows)):
+        a, b = bounds[k], bounds[k + 1]
+        if k == 2:
+            assert not torch.allclose(again[a:b], flat[a:b])
+        else:
+            assert torch.equal(again[a:b], flat[a:b]) or torch.allclose(again[a:b], flat[a:b], atol=1e-6, rtol=0)
+    # packed labels: the first token of every sample is never a target (of the previous sample's last token)
+    assert all(packed["labels"][0, s].item() == -100 for s in bounds[:-1])
+
+
+def test_one_optimizer_step_packed_equals_the_same_step_padded(tmp_path):
+    """The loss of a step is normalised per loss-carrying token over the whole step, packed or padded:
+    the same samples in the same step give the same update (plain SGD, where a scale error would show)."""
+    rows = None
+    adapters = {}
+    for mode in ("padded", "packed"):
+        (tmp_path / mode).mkdir()
+        cfg = load_config(write_config(tmp_path / mode, training={
+            "packing": "on" if mode == "packed" else "off", "optim": "sgd", "learning_rate": 0.5, "warmup_steps": 0,
+            "per_device_train_batch_size": 2, "gradient_accumulation_steps": 2, "max_steps": 1, "max_grad_norm": 0.0,
+            "train_sampling_strategy": "sequential"}))
+        rows = rows or _rows(cfg, 4)
+        model = lora_model.build_model(cfg)
+        # micro-batches of unequal loss-token counts, so a per-micro-batch mean would differ from the step's mean
+        if mode == "padded":
+            train_data, collator = rows, batches.Collator(0)
+        else:
+            train_data, collator = packing.PackedRows(rows, [[0, 1], [2, 3]]), batches.PackedCollator(varlen=False)
+        trainer = hf_trainer.make_trainer(cfg, model, train_data, collator, tmp_path / mode / "out", save_strategy="no", disable_tqdm=True)
+        trainer.train()
+        adapters[mode] = ({n: p.detach().clone() for n, p in model.named_parameters() if "lora_" in n},
+                          trainer.state.log_history[0]["loss"])
+        hf_trainer.release(trainer)
+    (pad, pad_loss), (pack, pack_loss) = adapters["padded"], adapters["packed"]
+    assert pad_loss == pytest.approx(pack_loss, rel=1e-5)
+    for name, w in pad.items():
+        torch.testing.assert_close(pack[name], w, atol=1e-6, rtol=1e-4)
+    assert all(w.abs().sum() > 0 for n, w in pad.items() if "lora_B" in n)  # B starts at zero: the step moved it
+
+
+def test_tiled_mlp_auto_follows_the_widest_micro_batch_the_data_can_make(tmp_path):
+    """Issue 13: micro-batch 4 x max_length 8192 switched the tiled MLP on although the longest sample
+    was ~4k tokens (no padded micro-batch over 16,468 tokens), costing 24% tokens/s."""
+    cfg = load_config(write_config(tmp_path, data={"max_length": 8192},
+                                   training={"per_device_train_batch_size": 4, "packing": "off", "max_tokens_per_batch": None}))
+    on = lambda c, longest: kernels.resolve_auto(c, on_gpu=True, longest=longest)["tiled_mlp"]  # noqa: E731
+    assert not on(cfg, 4117) and on(cfg, 8192)
+    packed = cfg.model_copy(update={"training": cfg.training.model_copy(update={"packing": "on"})})
+    assert on(packed, 100)  # packed: every micro-batch fills the 32,768-token budget
+    small = packed.model_copy(update={"training": packed.training.model_copy(update={"max_tokens_per_batch": 16384})})
+    assert not on(small, 4117)
+
+
+def test_preflight_estimates_a_packed_step_as_a_full_budget_of_the_longest_samples(tmp_path):
+    cfg = load_config(write_config(tmp_path, training={"packing": "on", "max_tokens_per_batch": 512}))
+    r = preflight.run(cfg, tmp_path / "preflight")
+    assert r.lengths.packed and r.lengths.worst_batch_tokens == 512
+    assert "Worst micro-batch: packed, 512 tokens" in r.report_md.read_text()
+    bigger = cfg.model_copy(update={"training": cfg.training.model_copy(update={"max_tokens_per_batch": 4096})})
+    import json
+
+    from stages.memory_model import Shapes, estimate
+    from stages.modelio import resolve_model_dir
+
+    shapes = Shapes.from_config(json.loads((resolve_model_dir(cfg.model.name_or_path) / "config.json").read_text()))
+    small, large = estimate(cfg, shapes, r.lengths.max, on_gpu=False), estimate(bigger, shapes, r.lengths.max, on_gpu=False)
+    assert large.total_gib > small.total_gib  # the budget, not the longest sample, sizes a packed step
+    # the worst packed rows: the longest samples first, topped up to exactly the budget
+    assert packing.worst_rows([30, 20, 20, 5], 64) == [30, 20, 5, 9]
+    assert sum(packing.worst_rows(r.lengths.longest, 512)) == 512
