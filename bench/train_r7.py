@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 import torch
+from transformers import TrainerCallback
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -119,7 +120,7 @@ def stage_config(model_dir: Path, qlora: bool, **training) -> RunConfig:
     })
 
 
-class StepTimer(train.TrainerCallback):
+class StepTimer(TrainerCallback):
     def __init__(self) -> None:
         self.times: list[float] = []
         self.t = None

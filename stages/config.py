@@ -162,7 +162,7 @@ class TrainingSection(Section):
         "auto", description="How packed samples are kept apart in attention. varlen: torch's variable-length flash kernel "
         "(torch.nn.attention.varlen, CUDA; on CPU the same attention one sample at a time); flex_attention: a block-sparse mask "
         "(compiled); mask: the model's own attention (model.attn_implementation) with transformers' block-diagonal causal mask "
-        "(tokens x tokens memory). auto: varlen on a CUDA GPU where torch has it, else mask (measured faster on CPU)."
+        "(tokens x tokens memory). auto: varlen where torch has it (always on CPU), else mask."
     )
     train_sampling_strategy: Literal["random", "group_by_length", "sequential"] = Field(
         "random", description="group_by_length batches samples of similar length so padding is not paid for; "

@@ -12,8 +12,13 @@ silently lose memory savings are set explicitly here, not left to defaults:
 - no `prepare_model_for_kbit_training`: it upcasts embeddings, lm_head and norms to fp32
   (+2 GiB and 3.5x slower steps on a 7B, measured in ../shared/anchors).
 
+Micro-batches are packed to a token budget (`training.packing`, stages/packing.py) or padded
+to their longest row (stages/batches.py). The pieces: stages/lora_model.py builds the model
+(the preflight's probe builds it the same way), stages/kernels.py resolves the `auto`
+settings, stages/hf_trainer.py is the Trainer, stages/launch.py the multi-process launcher.
+
 Checkpoints go to <out>/checkpoints every `training.save_steps`; running again after a
-crash resumes from the last one. Per-step memory goes to <out>/memory_steps.jsonl, the
+crash resumes from the last one (packed: the same micro-batches, from the seeded plan). Per-step memory goes to <out>/memory_steps.jsonl, the
 loss curve to <out>/loss.jsonl and <out>/loss.png.
 """
 
