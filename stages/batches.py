@@ -28,10 +28,13 @@ class Plan:
     efficiency: float               # tokens trained on / tokens the micro-batches hold (padding, unfilled budget)
 
 
-def dataset(cfg: RunConfig, train_rows: list[dict], packed: bool, world_size: int = 1):
+def dataset(cfg: RunConfig, train_rows, packed: bool, world_size: int = 1, lengths: list[int] | None = None):
     """What the Trainer iterates: the rows themselves (padded), or the packing plan's
-    micro-batches for the whole run, in order (packed), and the plan's figures."""
-    lengths = [len(r["input_ids"]) for r in train_rows]
+    micro-batches for the whole run, in order (packed), and the plan's figures.
+
+    `train_rows` is a list of rows or a memory-mapped table (data.TrainingSet.rows), whose
+    `lengths` should then be given rather than read row by row."""
+    lengths = lengths if lengths is not None else [len(r["input_ids"]) for r in train_rows]
     t = cfg.training
     if not packed:
         eff = packing.padded_efficiency(lengths, t.per_device_train_batch_size, t.seed)
@@ -49,10 +52,12 @@ def dataset(cfg: RunConfig, train_rows: list[dict], packed: bool, world_size: in
             Plan(True, size, len(first), len(lengths) / len(first), round(packing.efficiency(lengths, first, size), 4)))
 
 
-def worst(train_rows: list[dict], collator: Collator, packed_budget: int | None, micro_batch: int) -> dict:
+def worst(train_rows, collator: Collator, packed_budget: int | None, micro_batch: int, lengths: list[int] | None = None) -> dict:
     """The heaviest micro-batch this data can make, collated like `collator` does (but not counted
     by it): padded, the `micro_batch` longest rows; packed, the longest rows that fit one budget."""
-    longest = sorted(train_rows, key=lambda r: len(r["input_ids"]), reverse=True)
+    lengths = lengths if lengths is not None else [len(r["input_ids"]) for r in train_rows]
+    order = sorted(range(len(lengths)), key=lengths.__getitem__, reverse=True)[:max(micro_batch, packed_budget or 0)]
+    longest = [train_rows[i] for i in order]
     if packed_budget is None:
         return Collator(collator.pad_id)(longest[:micro_batch])
     picked, room = [], packed_budget
@@ -64,6 +69,7 @@ def worst(train_rows: list[dict], collator: Collator, packed_budget: int | None,
 
 
 def rows(tok: data.Tokenized) -> list[dict]:
+    """In-memory rows of a small tokenized set (tests, held-out data); training reads data.TrainingSet.rows."""
     return [{"input_ids": i, "labels": l, "id": sid} for i, l, sid in zip(tok.input_ids, tok.labels, tok.ids, strict=True)]
 
 

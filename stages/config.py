@@ -62,16 +62,44 @@ class ModelSection(Section):
     )
 
 
+class SourceSection(Section):
+    path: str = Field(description="A .jsonl/.json/.parquet/.csv/.arrow file, a folder of them, a dataset saved with datasets' "
+                      "save_to_disk, or a hub dataset id already in the local HF cache (never downloaded).")
+    weight: float = Field(1.0, gt=0, description="Samples taken per sample of this source: 0.5 a seeded half, 2 every sample twice.")
+    split: str = Field("train", description="The split of a saved DatasetDict or hub dataset.")
+
+
 class DataSection(Section):
-    train_file: Path = Field(description="JSONL; each line has `messages` (chat) or `prompt`/`completion`.")
+    train_file: Path | None = Field(
+        None, description="Training data: a .jsonl/.json/.parquet/.csv/.arrow file, a folder of them, a dataset saved with "
+        "save_to_disk, or a hub dataset id in the local HF cache. Records in any of the forms `messages`, `prompt`/`completion`, "
+        "Alpaca (`instruction`/`input`/`output`) or ShareGPT (`conversations` of `from`/`value`), detected per record."
+    )
+    sources: list[SourceSection] = Field(
+        [], description="Instead of train_file: several sources mixed by weight, e.g. [{path: a.jsonl}, {path: b.parquet, weight: 0.5}]."
+    )
     eval_file: Path | None = Field(
-        None, description="Held-out JSONL, same format. Used by the smoke test and the fidelity checks."
+        None, description="Held-out data, any form train_file takes. Used for eval loss, the merge, fidelity and smoke checks."
+    )
+    eval_split: float | None = Field(
+        None, gt=0, lt=0.5, description="Without an eval_file: this fraction of the training samples (seeded by training.seed) "
+        "is held out instead, for eval loss, the merge, fidelity and smoke checks. null: no split."
     )
     max_length: int = Field(1024, gt=0, description="Token limit per sample after the chat template.")
+    num_proc: int | None = Field(
+        None, gt=0, description="Processes that tokenize the training data (once per content: the result is cached under "
+        "<artifacts_dir>/cache/tokenized). null: one per CPU core."
+    )
     long_sample_policy: Literal["error", "truncate", "drop"] = Field(
         "error", description="What to do with a sample longer than max_length: stop with its id "
         "(error), cut it (truncate), or leave it out (drop). Every affected id is reported."
     )
+
+    @model_validator(mode="after")
+    def _one_training_input(self) -> DataSection:
+        if (self.train_file is None) == (not self.sources):
+            raise ValueError("give the training data as data.train_file or as data.sources (a list of {path, weight}), exactly one of them")
+        return self
 
 
 class LoraSection(Section):
@@ -169,6 +197,21 @@ class TrainingSection(Section):
         "on data with few distinct lengths its same-length batches can stall convergence (measured on the default)."
     )
     logging_steps: int = Field(10, gt=0, description="Loss is logged every N steps (memory is recorded every step).")
+    eval_steps: int | None = Field(
+        None, gt=0, description="Eval loss on the eval data (data.eval_file, or data.eval_split of the training data) every N "
+        "optimizer steps. null: at every checkpoint (save_steps) when there is eval data, never otherwise."
+    )
+    early_stopping_patience: int | None = Field(
+        None, gt=0, description="Stop after this many evaluations in a row without a lower eval loss. null: never stop early."
+    )
+    load_best: bool = Field(
+        True, description="When eval loss is measured, the adapter kept (and merged) is the checkpoint with the lowest eval loss, "
+        "not the last one."
+    )
+    report_to: list[Literal["tensorboard", "mlflow"]] = Field(
+        [], description="Trackers that get params, losses, eval metrics, per-step memory and the plots. mlflow writes to "
+        "MLFLOW_TRACKING_URI when set, else to a local file store under the run's train/ directory."
+    )
     memory_snapshot_steps: int = Field(
         0, ge=0, description="CUDA: record every allocation of the first N optimizer steps to train/memory_snapshot.pickle "
         "(drag into https://pytorch.org/memory_viz); an OOM while recording also dumps one next to its post-mortem. 0: off."
@@ -415,23 +458,30 @@ def _check_inputs(cfg: RunConfig) -> list[str]:
         from stages.modelcheck import check_model_dir
 
         problems += [f"model.name_or_path: {p}" for p in check_model_dir(model_dir, cfg.model.trust_remote_code)]
-    for key in ("train_file", "eval_file"):
-        f = getattr(cfg.data, key)
-        if f is not None and f.is_dir():
-            problems.append(f"data.{key}: {f.resolve()} is a directory; point it at a JSONL file in it")
-        elif f is not None and not f.is_file():
-            problems.append(f"data.{key}: {f.resolve()} does not exist; point it at a JSONL file")
+    inputs = [("data.train_file", cfg.data.train_file), ("data.eval_file", cfg.data.eval_file)]
+    inputs += [(f"data.sources[{k}].path", Path(src.path)) for k, src in enumerate(cfg.data.sources)]
+    for key, f in inputs:
+        if f is not None and not f.exists() and not _hub_id_in_cache(str(f)):
+            problems.append(f"{key}: {f.resolve()} does not exist (nor is {str(f)!r} a dataset in the local HF cache); point it at "
+                            "a data file, a folder of them, or a dataset saved with save_to_disk")
     for key, d in (("artifacts_dir", cfg.artifacts_dir), ("handoff.dir", cfg.handoff.dir)):
         clash = next((p for p in (d, *d.parents) if p.exists() and not p.is_dir()), None)
         if clash is not None:
             problems.append(f"{key}: {clash.resolve()} is a file, not a directory; point {key} at a directory (it is created if missing)")
-    if cfg.smoke.check == "exact" and cfg.data.eval_file is None:
-        problems.append("smoke.check is `exact` but data.eval_file is not set; add held-out samples or use smoke.check: stops")
+    if cfg.smoke.check == "exact" and cfg.data.eval_file is None and not cfg.data.eval_split:
+        problems.append("smoke.check is `exact` but there is no held-out data; set data.eval_file or data.eval_split, "
+                        "or use smoke.check: stops")
     return problems
 
 
+def _hub_id_in_cache(name: str) -> bool:
+    from stages.data import _hub_cache_files
+
+    return "/" in name and not name.startswith((".", "/")) and bool(_hub_cache_files(name))
+
+
 def reference_markdown() -> str:
-    """The config reference table for the README, generated from the schema itself."""
+    """The config reference table of docs/config.md, generated from the schema itself."""
     lines = ["| key | default | meaning |", "|---|---|---|"]
 
     def walk(prefix: str, model: type[BaseModel]) -> None:
@@ -447,18 +497,18 @@ def reference_markdown() -> str:
     return "\n".join(lines)
 
 
-def update_readme(readme: Path) -> None:
-    """Rewrite the table between the config-reference markers in the README."""
-    text = readme.read_text()
+def update_docs(page: Path) -> None:
+    """Rewrite the table between the config-reference markers of docs/config.md."""
+    text = page.read_text()
     head, rest = text.split("<!-- config-reference:start -->\n", 1)
     _, tail = rest.split("<!-- config-reference:end -->", 1)
-    readme.write_text(f"{head}<!-- config-reference:start -->\n{reference_markdown()}\n<!-- config-reference:end -->{tail}")
+    page.write_text(f"{head}<!-- config-reference:start -->\n{reference_markdown()}\n<!-- config-reference:end -->{tail}")
 
 
 if __name__ == "__main__":
     import sys
 
-    if sys.argv[1:] == ["--update-readme"]:
-        update_readme(Path(__file__).resolve().parents[1] / "README.md")
+    if sys.argv[1:] == ["--update-docs"]:
+        update_docs(Path(__file__).resolve().parents[1] / "docs" / "config.md")
     else:
         print(reference_markdown())

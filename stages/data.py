@@ -1,9 +1,17 @@
-"""Reading, checking, fingerprinting and tokenizing instruction datasets (JSONL).
+"""Reading, checking, fingerprinting and tokenizing instruction datasets.
 
-Two line forms are accepted, mixed freely:
+Where data can come from (`data.train_file`, or several `data.sources` with mixing weights):
+JSON Lines (also gzip, UTF-16), JSON arrays, Parquet, CSV and Arrow files, folders of them, a
+dataset saved with `datasets`' save_to_disk, or a hub dataset id already in the local HF cache
+(read offline, never downloaded). JSON Lines are read here, line by line, so every problem is
+reported as file:line; the other kinds through the `datasets` library (rows as file:row N).
+
+Four record forms are accepted, detected per record, mixed freely:
 
     {"messages": [{"role": "user", "content": "..."}, {"role": "assistant", "content": "..."}]}
     {"prompt": "...", "completion": "...", "system": "optional"}
+    {"instruction": "...", "input": "optional", "output": "...", "system": "optional"}      Alpaca
+    {"conversations": [{"from": "human", "value": "..."}, {"from": "gpt", "value": "..."}]}  ShareGPT
 
 Every sample is rendered with the model's own chat template; only assistant tokens
 (their text and the end-of-turn token) carry loss. Problems are reported as file:line, all
@@ -14,11 +22,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import random
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from stages.errors import UserError
 
@@ -49,6 +58,35 @@ class PromptLine(BaseModel):
     prompt: str
     completion: str
     system: str | None = None
+
+
+class AlpacaLine(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    instruction: str
+    input: str | None = ""
+    output: str
+    system: str | None = None
+
+
+SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                  "chatgpt": "assistant", "bard": "assistant", "bing": "assistant", "model": "assistant"}
+
+
+class ShareGPTTurn(BaseModel):
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+    speaker: str = Field(alias="from")
+    value: str
+
+
+class ShareGPTLine(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    conversations: list[ShareGPTTurn]
+    system: str | None = None
+
+
+FORMS = ("`messages` (a list of {\"role\": system|user|assistant, \"content\": text}), `prompt` + `completion` "
+         "(+ `system`), Alpaca `instruction` + `output` (+ `input`, `system`), or ShareGPT `conversations` (a list of "
+         "{\"from\": system|human|gpt, \"value\": text})")
 
 
 @dataclass(frozen=True)
@@ -96,16 +134,15 @@ def read_jsonl(path: Path) -> list[Sample]:
     if problems:
         more = f"\n  ... and {len(problems) - MAX_REPORTED} more" if len(problems) > MAX_REPORTED else ""
         raise DataError(f"{path}: {len(problems)} bad line(s):\n" + "\n".join(f"  - {p}" for p in problems[:MAX_REPORTED]) + more
-                        + "\nfix or remove these lines: each line is one JSON object with `messages` (a list of {\"role\": "
-                        "system|user|assistant, \"content\": text}) or with `prompt` and `completion`")
+                        + f"\nfix or remove these lines: each line is one JSON object with {FORMS}")
     if not samples:
-        raise DataError(f"{path} has no samples; add JSONL lines with `messages` or `prompt`/`completion`")
+        raise DataError(f"{path} has no samples; add JSONL lines with {FORMS}")
     return samples
 
 
 def _json_array(path: Path) -> str:
-    return (f"{path} is a JSON array, not JSON Lines (one JSON object per line); convert it: "
-            f"`jq -c '.[]' {path.name} > {path.stem}.lines.jsonl`, or in Python write json.dumps(item) + '\\n' for each item")
+    return (f"{path} is a JSON array, not JSON Lines (one JSON object per line) as its name says; rename it to "
+            f"{path.stem}.json (arrays are read from .json files), or convert it: `jq -c '.[]' {path.name} > {path.stem}.lines.jsonl`")
 
 
 def _lines(path: Path):
@@ -144,8 +181,21 @@ def _lines(path: Path):
 def _parse(obj: object) -> list[dict]:
     if not isinstance(obj, dict):
         raise ValueError(f"expected a JSON object, got {type(obj).__name__}")
-    if "messages" in obj:
+    obj = {k: json.loads(v) if k in ("messages", "conversations") and isinstance(v, str) else v for k, v in obj.items()}  # CSV cells
+    if obj.get("messages") is not None:
         msgs = [m.model_dump() for m in ChatLine.model_validate(obj).messages]
+    elif obj.get("conversations") is not None:
+        line = ShareGPTLine.model_validate(obj)
+        unknown = sorted({t.speaker for t in line.conversations} - set(SHAREGPT_ROLES))
+        if unknown:
+            raise ValueError(f"conversations: speaker(s) {unknown} are not one of {sorted(SHAREGPT_ROLES)}")
+        msgs = ([{"role": "system", "content": line.system}] if line.system else []) + [
+            {"role": SHAREGPT_ROLES[t.speaker], "content": t.value} for t in line.conversations]
+    elif obj.get("instruction") is not None:
+        line = AlpacaLine.model_validate(obj)
+        user = line.instruction + (f"\n\n{line.input}" if line.input and line.input.strip() else "")
+        msgs = ([{"role": "system", "content": line.system}] if line.system else []) + [
+            {"role": "user", "content": user}, {"role": "assistant", "content": line.output}]
     elif "prompt" in obj or "completion" in obj:
         line = PromptLine.model_validate(obj)
         msgs = ([{"role": "system", "content": line.system}] if line.system else []) + [
@@ -153,7 +203,7 @@ def _parse(obj: object) -> list[dict]:
             {"role": "assistant", "content": line.completion},
         ]
     else:
-        raise ValueError(f"has neither `messages` nor `prompt`/`completion` (keys: {sorted(obj)})")
+        raise ValueError(f"is in none of the accepted forms (fields seen: {sorted(obj)}); accepted: {FORMS}")
     if not any(m["role"] == "assistant" for m in msgs):
         raise ValueError("has no assistant turn, so there is nothing to learn; add a {\"role\": \"assistant\", ...} message")
     if not any(m["content"].strip() for m in msgs if m["role"] == "assistant"):
@@ -167,9 +217,172 @@ def _short(e: Exception) -> str:
     return str(e)
 
 
+TABLE_KINDS = {".parquet": "parquet", ".csv": "csv", ".tsv": "csv", ".arrow": "arrow", ".json": "json"}
+LINE_SUFFIXES = (".jsonl", ".ndjson", ".jsonl.gz", ".ndjson.gz", ".json.gz")
+
+
+def read_source(path: str | Path, split: str = "train") -> list[Sample]:
+    """All samples of one source: a file, a folder of files, a saved dataset, or a hub id in the local cache."""
+    p = Path(path)
+    if p.is_dir():
+        if any((p / f).is_file() for f in ("dataset_info.json", "state.json", "dataset_dict.json")):
+            return _from_table(_saved(p, split), f"{p}")
+        files = sorted(f for f in p.rglob("*") if f.is_file() and _kind(f) is not None)
+        if not files:
+            raise DataError(f"{p} is a folder with no data files; put .jsonl, .json, .parquet, .csv or .arrow files in it "
+                            "(or point at a dataset saved with datasets' save_to_disk)")
+        return [x for f in files for x in read_source(f)]
+    if p.is_file():
+        kind = _kind(p)
+        if kind == "jsonl" or kind is None:  # unknown suffix: JSON Lines, as this project always read
+            return read_jsonl(p)
+        if kind == "json" and not _starts_with_array(p):
+            return read_jsonl(p)  # JSON Lines named .json: read line by line for file:line errors
+        return _from_table(_load_table(kind, p), str(p))
+    return _from_table(_cached_hub_dataset(str(path), split), str(path))
+
+
+def _kind(p: Path) -> str | None:
+    name = p.name.lower()
+    if name.endswith(LINE_SUFFIXES):
+        return "jsonl"
+    return TABLE_KINDS.get(p.suffix.lower())
+
+
+def _starts_with_array(p: Path) -> bool:
+    with p.open("rb") as f:
+        head = f.read(4096).lstrip(b"\xef\xbb\xbf \t\r\n")
+    return head.startswith(b"[")
+
+
+def _load_table(kind: str, p: Path):
+    import datasets
+
+    try:
+        return datasets.load_dataset(kind, data_files=str(p), split="train",
+                                     **({"delimiter": "\t"} if p.suffix.lower() == ".tsv" else {}))
+    except Exception as e:  # pyarrow / pandas parse errors: name the file and the cause
+        raise DataError(f"{p}: cannot be read as {kind} ({type(e).__name__}: {str(e)[:300]}); check the file, or convert it "
+                        "to JSON Lines") from None
+
+
+def _saved(p: Path, split: str):
+    import datasets
+
+    loaded = datasets.load_from_disk(str(p))
+    if isinstance(loaded, datasets.DatasetDict):
+        if split not in loaded:
+            raise DataError(f"{p}: a saved dataset with splits {sorted(loaded)}, no `{split}`; set the source's split to one of them")
+        return loaded[split]
+    return loaded
+
+
+def _cached_hub_dataset(name: str, split: str):
+    """A hub dataset id, from the local HF cache only: nothing is downloaded at run time."""
+    import os
+
+    import datasets
+
+    previous = {k: os.environ.get(k) for k in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE")}
+    os.environ.update({"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"})
+    try:
+        return datasets.load_dataset(name, split=split)
+    except Exception as e:
+        raise DataError(f"{name}: not a local file or folder, and not a dataset in the local Hugging Face cache ({type(e).__name__}: "
+                        f"{str(e)[:200]}); nothing is downloaded at run time: point at a local file, or fetch it where there is "
+                        f"internet (`datasets.load_dataset({name!r})`) and copy the cache (HF_HOME) here") from None
+    finally:
+        for k, v in previous.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _from_table(table, where: str) -> list[Sample]:
+    """Samples of a `datasets` table, every bad row reported as where:row N (1-based)."""
+    samples, problems = [], []
+    for n, row in enumerate(table, start=1):
+        try:
+            samples.append(Sample(f"{where}:row {n}", tuple(_parse(row))))
+        except (ValidationError, ValueError) as e:
+            problems.append(f"{where}:row {n}: {_short(e)}")
+    if problems:
+        more = f"\n  ... and {len(problems) - MAX_REPORTED} more" if len(problems) > MAX_REPORTED else ""
+        raise DataError(f"{where}: {len(problems)} bad row(s) (columns: {', '.join(table.column_names)}):\n"
+                        + "\n".join(f"  - {p}" for p in problems[:MAX_REPORTED]) + more + f"\nfix these rows: each needs {FORMS}")
+    if not samples:
+        raise DataError(f"{where} has no rows; it needs rows with {FORMS}")
+    return samples
+
+
+def mixed(cfg) -> list[Sample]:
+    """data.train_file, or every data.sources entry with its weight: 0.5 takes a seeded half of that
+    source, 2 takes it twice, 1.5 once plus a seeded half."""
+    d = cfg.data
+    if not d.sources:
+        return read_source(d.train_file)
+    out: list[Sample] = []
+    for k, src in enumerate(d.sources):
+        got = read_source(src.path, src.split)
+        whole, part = divmod(src.weight * len(got), len(got))
+        rng = random.Random(f"mix/{cfg.training.seed}/{k}")
+        out += got * int(whole) + [got[i] for i in sorted(rng.sample(range(len(got)), round(part)))]
+    return out
+
+
+def input_files(cfg) -> list[Path]:
+    """Every local file the data is read from (what the data fingerprint covers)."""
+    d = cfg.data
+    paths = [Path(src.path) for src in d.sources] or [Path(d.train_file)]
+    if d.eval_file is not None:
+        paths.append(Path(d.eval_file))
+    files = []
+    for p in paths:
+        if p.is_dir():
+            files += sorted(f for f in p.rglob("*") if f.is_file())
+        elif p.is_file():
+            files.append(p)
+        else:  # a hub id: its files in the local cache
+            files += _hub_cache_files(str(p))
+    return files
+
+
+def _hub_cache_files(name: str) -> list[Path]:
+    import os
+
+    home = Path(os.environ.get("HF_HOME", Path.home() / ".cache" / "huggingface"))
+    folder = home / "hub" / f"datasets--{name.replace('/', '--')}"
+    return sorted(f for f in folder.rglob("*") if f.is_file()) if folder.is_dir() else []
+
+
+def train_samples(cfg) -> list[Sample]:
+    """The samples training trains on: the training data less the eval split, if any."""
+    return _split(cfg)[0]
+
+
+def eval_samples(cfg) -> list[Sample]:
+    """The samples eval loss is measured on: data.eval_file, else data.eval_split of the training data, else none."""
+    if cfg.data.eval_file is not None:
+        return read_source(cfg.data.eval_file)
+    return _split(cfg)[1]
+
+
+def _split(cfg) -> tuple[list[Sample], list[Sample]]:
+    samples = mixed(cfg)
+    if cfg.data.eval_file is not None or not cfg.data.eval_split:
+        return samples, []
+    if len(samples) < 2:
+        raise DataError(f"data.eval_split needs at least 2 training samples, there are {len(samples)}; add samples or an eval_file")
+    order = list(range(len(samples)))
+    random.Random(f"eval-split/{cfg.training.seed}").shuffle(order)
+    held = set(order[:max(1, round(cfg.data.eval_split * len(samples)))])
+    return [s for i, s in enumerate(samples) if i not in held], [s for i, s in enumerate(samples) if i in held]
+
+
 def held_out(cfg, limit: int) -> list[Sample]:
-    """Up to `limit` samples of data.eval_file (of the training file when there is none)."""
-    return read_jsonl(cfg.data.eval_file or cfg.data.train_file)[:limit]
+    """Up to `limit` held-out samples (eval data; the training data when there is none)."""
+    return (eval_samples(cfg) or train_samples(cfg))[:limit]
 
 
 def held_out_texts(cfg, tokenizer, limit: int) -> list[str]:
@@ -178,7 +391,7 @@ def held_out_texts(cfg, tokenizer, limit: int) -> list[str]:
 
 
 def fingerprint(paths: list[Path]) -> str:
-    """sha256 over the dataset files' names and bytes: changes exactly when the data does."""
+    """sha256 over the dataset files' names and bytes (input_files): changes exactly when the data does."""
     h = hashlib.sha256()
     for p in sorted(Path(x) for x in paths if x is not None):
         h.update(p.name.encode() + b"\0")
@@ -206,8 +419,11 @@ def tokenize(samples: list[Sample], tokenizer, max_length: int, policy: str) -> 
     Args:
         policy: for samples over max_length: "error" (DataError naming them), "truncate", "drop".
     """
+    return _apply_policy(_encode_all(samples, tokenizer), max_length, policy)
+
+
+def _encode_all(samples: list[Sample], tokenizer) -> Tokenized:
     out = Tokenized([], [], [])
-    too_long = []
     for s in samples:
         try:
             ids, labels = _encode(s, tokenizer)
@@ -215,20 +431,30 @@ def tokenize(samples: list[Sample], tokenizer, max_length: int, policy: str) -> 
             raise
         except Exception as e:  # a template that raises, a tokenizer that chokes on a character
             raise DataError(f"{s.id}: the tokenizer or chat template failed on this sample: {type(e).__name__}: {e}") from e
-        if len(ids) > max_length:
-            too_long.append(f"{s.id} ({len(ids)} tokens)")
-            if policy == "drop":
-                out.dropped.append(s.id)
-                continue
-            if policy == "truncate":
-                out.truncated.append(s.id)
-                ids, labels = ids[:max_length], labels[:max_length]
-        if not any(x != -100 for x in labels):
-            out.dropped.append(s.id)  # truncation removed every answer token: nothing to learn
-            continue
         out.input_ids.append(ids)
         out.labels.append(labels)
         out.ids.append(s.id)
+    return out
+
+
+def _apply_policy(tok: Tokenized, max_length: int, policy: str) -> Tokenized:
+    out = Tokenized([], [], [])
+    too_long = []
+    for ids, labels, sid in zip(tok.input_ids, tok.labels, tok.ids, strict=True):
+        if len(ids) > max_length:
+            too_long.append(f"{sid} ({len(ids)} tokens)")
+            if policy == "drop":
+                out.dropped.append(sid)
+                continue
+            if policy == "truncate":
+                out.truncated.append(sid)
+                ids, labels = ids[:max_length], labels[:max_length]
+        if not any(x != -100 for x in labels):
+            out.dropped.append(sid)  # truncation removed every answer token: nothing to learn
+            continue
+        out.input_ids.append(ids)
+        out.labels.append(labels)
+        out.ids.append(sid)
     if too_long and policy == "error":
         raise DataError(
             f"{len(too_long)} sample(s) exceed data.max_length={max_length}: {', '.join(too_long[:MAX_REPORTED])}; "
@@ -261,3 +487,93 @@ def _encode(sample: Sample, tokenizer) -> tuple[list[int], list[int]]:
         for tok, (start, _end) in zip(enc["input_ids"], enc["offset_mapping"], strict=True)
     ]
     return enc["input_ids"], labels
+
+
+@dataclass
+class TrainingSet:
+    """The tokenized training data as an Arrow table on disk, memory-mapped: host memory does not
+    grow with the dataset. `rows[i]` is {"input_ids", "labels", "id"}; `lengths` a plain list."""
+
+    rows: object                     # datasets.Dataset
+    lengths: list[int]
+    truncated: list[str]
+    dropped: list[str]
+    cache_dir: Path
+    cached: bool                     # read from an earlier tokenization, not made now
+
+    @property
+    def ids(self) -> list[str]:
+        return self.rows.data.column("id").to_pylist()
+
+
+CHUNK = 5000  # samples per tokenization task
+
+
+def training_set(cfg, tokenizer, cache_root: Path | None = None) -> TrainingSet:
+    """The training samples tokenized (data.tokenize) once per content: cached under
+    <artifacts_dir>/cache/tokenized/<key>, the key covering the data files' bytes, the data
+    settings, the seed and the tokenizer with its chat template. The preflight makes it, the
+    train stage reads it; a second run on the same data does not read or tokenize it again.
+    Tokenization runs in data.num_proc processes."""
+    import datasets
+
+    root = Path(cache_root or Path(cfg.artifacts_dir) / "cache" / "tokenized")
+    key = _cache_key(cfg, tokenizer)
+    where = root / key
+    if not (where / "done.json").is_file():
+        _build(cfg, tokenizer, where)
+        cached = False
+    else:
+        cached = True
+    meta = json.loads((where / "done.json").read_text())
+    table = datasets.load_from_disk(str(where / "rows"))
+    return TrainingSet(table, table.data.column("length").to_pylist(), meta["truncated"], meta["dropped"], where, cached)
+
+
+def _cache_key(cfg, tokenizer) -> str:
+    h = hashlib.sha256()
+    h.update(fingerprint(input_files(cfg)).encode())
+    h.update(cfg.data.model_dump_json(exclude={"eval_file", "num_proc"}).encode())
+    h.update(str(cfg.training.seed).encode())  # the eval split and the mix are seeded
+    h.update((getattr(tokenizer, "chat_template", None) or "").encode())
+    h.update(json.dumps(tokenizer.get_vocab(), sort_keys=True).encode())
+    h.update(json.dumps({k: str(v) for k, v in tokenizer.special_tokens_map.items()}, sort_keys=True).encode())
+    h.update(type(tokenizer).__name__.encode())
+    return h.hexdigest()[:20]
+
+
+def _build(cfg, tokenizer, where: Path) -> None:
+    import os
+    import shutil
+    import tempfile
+    from concurrent.futures import ProcessPoolExecutor
+
+    import datasets
+
+    samples = train_samples(cfg)
+    d = cfg.data
+    procs = max(1, min(d.num_proc or os.cpu_count() or 1, -(-len(samples) // CHUNK)))
+    chunks = [samples[i:i + CHUNK] for i in range(0, len(samples), CHUNK)]
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # a forked tokenizer with threads would deadlock
+    if procs > 1:
+        import multiprocessing
+
+        with ProcessPoolExecutor(procs, mp_context=multiprocessing.get_context("fork")) as pool:
+            parts = list(pool.map(_encode_all, chunks, [tokenizer] * len(chunks)))
+    else:
+        parts = [_encode_all(c, tokenizer) for c in chunks]
+    whole = Tokenized([], [], [])
+    for p in parts:
+        whole.input_ids += p.input_ids
+        whole.labels += p.labels
+        whole.ids += p.ids
+    tok = _apply_policy(whole, d.max_length, d.long_sample_policy)
+    where.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=where.name + ".", dir=where.parent))
+    table = datasets.Dataset.from_dict({"input_ids": tok.input_ids, "labels": tok.labels, "id": tok.ids, "length": tok.lengths})
+    table.save_to_disk(str(tmp / "rows"))
+    (tmp / "done.json").write_text(json.dumps({"samples": len(tok.ids), "truncated": tok.truncated, "dropped": tok.dropped}))
+    try:
+        tmp.rename(where)  # atomic: a concurrent run that built it first wins, this copy goes
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -213,16 +213,18 @@ def check_held_out(cfg: RunConfig, tokenizer) -> None:
 
 
 def scan_lengths(cfg: RunConfig, tokenizer=None) -> LengthScan:
+    """Token lengths of the training data after data.long_sample_policy, from the tokenized set the
+    train stage will read (data.training_set: made here on first use, cached by content)."""
     tokenizer = tokenizer or load_tokenizer(cfg.model)
-    tok = data.tokenize(data.read_jsonl(cfg.data.train_file), tokenizer, cfg.data.max_length, cfg.data.long_sample_policy)
-    ls = sorted(tok.lengths)
+    tset = data.training_set(cfg, tokenizer)
+    ls = sorted(tset.lengths)
 
     def pct(p: float) -> int:
         return ls[min(len(ls) - 1, math.ceil(p * len(ls)) - 1)]
 
-    longest = max(range(len(tok.lengths)), key=tok.lengths.__getitem__)
+    longest = max(range(len(tset.lengths)), key=tset.lengths.__getitem__)
     top = ls[::-1][:MAX_LONGEST]
-    return LengthScan(len(ls), pct(0.5), pct(0.95), pct(0.99), ls[-1], tok.ids[longest], tok.truncated, tok.dropped,
+    return LengthScan(len(ls), pct(0.5), pct(0.95), pct(0.99), ls[-1], tset.rows[longest]["id"], tset.truncated, tset.dropped,
                       worst_batch_tokens=cfg.training.per_device_train_batch_size * ls[-1], longest=top)
 
 

@@ -95,21 +95,20 @@ def run(cfg: RunConfig, out_dir: Path, *, inject_oom_at: int | None = None) -> T
         return result
 
     tokenizer = load_tokenizer(cfg.model)
-    samples = data.read_jsonl(cfg.data.train_file)
-    tok = data.tokenize(samples, tokenizer, cfg.data.max_length, cfg.data.long_sample_policy)
-    train_rows = batches.rows(tok)
-    longest = max(tok.lengths)
+    tset = data.training_set(cfg, tokenizer)  # tokenized once per content (the preflight made it), memory-mapped
+    train_rows, lengths = tset.rows, tset.lengths
+    longest = max(lengths)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     attempt_cfg, recoveries = cfg, []
     with memory.track("train", out_dir) as meter:
         while True:
             packed = kernels.packing(attempt_cfg)
-            dataset, plan = batches.dataset(attempt_cfg, train_rows, packed, world)
+            dataset, plan = batches.dataset(attempt_cfg, train_rows, packed, world, lengths)
             collator = (batches.PackedCollator(varlen=kernels.packed_attention(attempt_cfg) == "varlen") if packed
                         else batches.Collator(tokenizer.pad_token_id))
             print(f"train: {_describe(plan, attempt_cfg)}")
             model = build_model(attempt_cfg, longest)
-            fit = choose_fit(attempt_cfg, model, train_rows, collator, out_dir)
+            fit = choose_fit(attempt_cfg, model, train_rows, collator, out_dir, lengths)
             hooks = [InjectOOM(inject_oom_at)] if inject_oom_at and not recoveries else []
             if attempt_cfg.training.memory_snapshot_steps and torch.cuda.is_available() and not recoveries:
                 hooks.append(MemorySnapshot(attempt_cfg.training.memory_snapshot_steps, out_dir / "memory_snapshot.pickle"))
@@ -201,10 +200,10 @@ def _describe(plan: batches.Plan, cfg: RunConfig) -> str:
             f"samples; ~{per_step:.1f} samples per optimizer step")
 
 
-def choose_fit(cfg: RunConfig, model, train_rows: list[dict], collator, out_dir: Path) -> autofit.FitChoice:
+def choose_fit(cfg: RunConfig, model, train_rows, collator, out_dir: Path, lengths: list[int] | None = None) -> autofit.FitChoice:
     """Checkpoint every layer, or (fit: speed) as few as the budget allows, measured on the heaviest micro-batch."""
     packed = isinstance(collator, batches.PackedCollator)
-    worst = batches.worst(train_rows, collator, cfg.token_budget() if packed else None, cfg.training.per_device_train_batch_size)
+    worst = batches.worst(train_rows, collator, cfg.token_budget() if packed else None, cfg.training.per_device_train_batch_size, lengths)
     batch = {k: v.to(device()) if torch.is_tensor(v) else v for k, v in worst.items()}
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     fit = autofit.choose(cfg, model, batch, trainable, kernels.optimizer(cfg))

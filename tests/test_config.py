@@ -79,11 +79,11 @@ def test_config_file_must_exist_and_be_a_mapping(tmp_path):
         load_config(bad)
 
 
-def test_readme_config_reference_is_the_generated_one():
+def test_docs_config_reference_is_the_generated_one():
     from stages.config import reference_markdown
     from tests.conftest import REPO
 
-    assert reference_markdown() in (REPO / "README.md").read_text(), "regenerate with `python -m stages.config`"
+    assert reference_markdown() in (REPO / "docs" / "config.md").read_text(), "regenerate with `python -m stages.config --update-docs`"
 
 
 def test_example_configs_are_schema_valid():

@@ -49,7 +49,7 @@ def test_every_bad_line_is_reported_with_file_and_line(tmp_path):
     assert "4 bad line(s)" in msg
     assert "d.jsonl:2: not valid JSON" in msg
     assert "d.jsonl:3: has no assistant turn" in msg
-    assert "d.jsonl:4: has neither `messages` nor `prompt`/`completion`" in msg
+    assert "d.jsonl:4: is in none of the accepted forms" in msg
     assert "d.jsonl:5: messages.0.role" in msg
 
 
@@ -95,3 +95,99 @@ def test_fingerprint_follows_content(tmp_path):
     assert before == data.fingerprint([p])
     p.write_text(p.read_text().replace('"b"', '"c"'))
     assert data.fingerprint([p]) != before
+
+
+def _conversation(samples):
+    return [s.messages for s in samples]
+
+
+def test_alpaca_and_sharegpt_records_become_the_same_conversations(tmp_path):
+    want = ({"role": "system", "content": "Be brief."}, {"role": "user", "content": "Translate to French: red cat"},
+            {"role": "assistant", "content": "rouge chat"})
+    f = write(tmp_path, [
+        {"messages": list(want)},
+        {"instruction": "Translate to French:", "input": "red cat", "output": "rouge chat", "system": "Be brief."},
+        {"conversations": [{"from": "system", "value": "Be brief."}, {"from": "human", "value": "Translate to French: red cat"},
+                           {"from": "gpt", "value": "rouge chat"}]},
+    ])
+    got = _conversation(data.read_source(f))
+    assert got[0] == want and got[2] == want
+    assert got[1][1]["content"] == "Translate to French:\n\nred cat" and got[1][2] == want[2]
+
+
+ROWS = [{"prompt": f"Translate to French: word{i}", "completion": f"mot{i}"} for i in range(6)]
+
+
+@pytest.mark.parametrize("kind", ["parquet", "csv", "json-array", "arrow", "folder", "saved", "saved-dict"])
+def test_every_file_kind_reads_the_same_samples(tmp_path, kind):
+    import datasets
+
+    table = datasets.Dataset.from_list(ROWS)
+    path = {
+        "parquet": lambda: (table.to_parquet(str(tmp_path / "d.parquet")), tmp_path / "d.parquet")[1],
+        "csv": lambda: (table.to_csv(str(tmp_path / "d.csv"), index=False), tmp_path / "d.csv")[1],
+        "json-array": lambda: ((tmp_path / "d.json").write_text(json.dumps(ROWS)), tmp_path / "d.json")[1],
+        "arrow": lambda: (table.save_to_disk(str(tmp_path / "s")), next((tmp_path / "s").glob("*.arrow")))[1],
+        "folder": lambda: ((tmp_path / "f").mkdir(), (tmp_path / "f" / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ROWS[:3])),
+                           table.select(range(3, 6)).to_parquet(str(tmp_path / "f" / "b.parquet")), tmp_path / "f")[3],
+        "saved": lambda: (table.save_to_disk(str(tmp_path / "s")), tmp_path / "s")[1],
+        "saved-dict": lambda: (datasets.DatasetDict({"train": table, "test": table.select([0])}).save_to_disk(str(tmp_path / "s")),
+                               tmp_path / "s")[1],
+    }[kind]()
+    got = data.read_source(path)
+    assert _conversation(got) == _conversation(data.read_source(write(tmp_path, ROWS)))
+    assert all(str(path) in s.id for s in got)
+    if kind == "parquet":
+        assert got[2].id == f"{path}:row 3"
+
+
+def test_a_table_in_no_accepted_form_lists_the_fields_it_has_and_the_forms(tmp_path):
+    import datasets
+
+    datasets.Dataset.from_list([{"question": "a", "answer": "b"}]).to_parquet(str(tmp_path / "q.parquet"))
+    with pytest.raises(data.DataError, match=r"q.parquet:row 1: is in none of the accepted forms \(fields seen: \['answer', 'question'\]\).*Alpaca.*ShareGPT"):
+        data.read_source(tmp_path / "q.parquet")
+    with pytest.raises(data.DataError, match=r"speaker\(s\) \['robot'\]"):
+        data.read_source(write(tmp_path, [{"conversations": [{"from": "robot", "value": "x"}, {"from": "gpt", "value": "y"}]}]))
+
+
+def test_sources_mix_by_weight_and_the_eval_split_is_held_out(tmp_path):
+    from tests.conftest import write_config
+
+    a = tmp_path / "a.jsonl"
+    a.write_text("".join(json.dumps({"prompt": f"a{i}", "completion": f"x{i}"}) + "\n" for i in range(10)))
+    b = tmp_path / "b.jsonl"
+    b.write_text("".join(json.dumps({"prompt": f"b{i}", "completion": f"y{i}"}) + "\n" for i in range(10)))
+    cfg = load_config(write_config(tmp_path, data={"train_file": None, "eval_file": None, "eval_split": 0.2,
+                                                   "sources": [{"path": str(a), "weight": 2}, {"path": str(b), "weight": 0.5}]},
+                                   smoke={"check": "stops"}))
+    mixed = data.mixed(cfg)
+    assert sum(s.id.startswith(str(a)) for s in mixed) == 20 and sum(s.id.startswith(str(b)) for s in mixed) == 5
+    assert [s.id for s in data.mixed(cfg)] == [s.id for s in mixed]  # seeded
+    train, held = data.train_samples(cfg), data.eval_samples(cfg)
+    assert len(held) == 5 and len(train) == 20 and not {id(s) for s in held} & {id(s) for s in train}
+    assert data.held_out(cfg, 3) == held[:3]
+    assert set(data.input_files(cfg)) == {a, b}
+
+
+def test_the_training_set_is_tokenized_once_per_content_in_parallel_and_memory_mapped(tmp_path, tokenizer):
+    from tests.conftest import write_config
+
+    train = tmp_path / "t.jsonl"
+    train.write_text("".join(json.dumps({"prompt": f"Translate to French: red cat {i % 7}", "completion": "rouge chat"}) + "\n"
+                             for i in range(30)))
+    cfg = load_config(write_config(tmp_path, data={"train_file": str(train), "num_proc": 2}))
+    first = data.training_set(cfg, tokenizer)
+    assert not first.cached and len(first.lengths) == 30
+    again = data.training_set(cfg, tokenizer)
+    assert again.cached and again.cache_dir == first.cache_dir and again.lengths == first.lengths
+    # read from Arrow files in the cache, memory-mapped, not copied into this process
+    assert again.rows.cache_files and all(f["filename"].startswith(str(first.cache_dir)) for f in again.rows.cache_files)
+    serial = data.training_set(cfg.model_copy(update={"data": cfg.data.model_copy(update={"num_proc": 1})}), tokenizer,
+                               cache_root=tmp_path / "serial")
+    ref = data.tokenize(data.read_source(train), tokenizer, cfg.data.max_length, "error")
+    assert [r["input_ids"] for r in serial.rows] == [r["input_ids"] for r in first.rows] == ref.input_ids
+    assert [r["labels"] for r in first.rows] == ref.labels and first.ids == ref.ids
+    train.write_text(train.read_text() + json.dumps({"prompt": "one more", "completion": "encore"}) + "\n")
+    changed = data.training_set(cfg, tokenizer)
+    assert not changed.cached and changed.cache_dir != first.cache_dir and len(changed.lengths) == 31

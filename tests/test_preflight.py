@@ -34,7 +34,7 @@ def items(est: memory_model.Estimate, prefix: str) -> float:
 
 def test_weights_and_adapters_match_hand_arithmetic():
     s = memory_model.Shapes.from_config(TOY)
-    est = memory_model.estimate(cfg(), s, seq=10, on_gpu=True)
+    est = memory_model.estimate(cfg(), s, longest=10, on_gpu=True)
     # linear: per layer q 8x8 + k 8x4 + v 8x4 + o 8x8 + gate/up/down 3x8x16 = 576, x2 layers;
     # embeddings + lm_head 2x100x8 + norms 5x8 = 1640; bf16: 2 bytes each
     assert items(est, "base weights") == (1152 + 1640) * 2
@@ -42,10 +42,10 @@ def test_weights_and_adapters_match_hand_arithmetic():
     assert items(est, "LoRA") == 112 * 16
     # checkpointing keeps every layer's input: 2 layers x 10 tokens x 8 x 2 bytes
     assert items(est, "activations kept") == 2 * 10 * 8 * 2
-    nf4 = memory_model.estimate(cfg(quantization={"load_in_4bit": True}), s, seq=10, on_gpu=True)
+    nf4 = memory_model.estimate(cfg(quantization={"load_in_4bit": True}), s, longest=10, on_gpu=True)
     assert items(nf4, "base weights") == pytest.approx(1152 * memory_model.NF4_BYTES[True] + 1640 * 2)
     # bitsandbytes keeps 32-bit states for tensors under 4096 elements: the toy's adapters stay at 8 bytes
-    paged = memory_model.estimate(cfg(training={"optim": "paged_adamw_8bit"}), s, seq=10, on_gpu=True)
+    paged = memory_model.estimate(cfg(training={"optim": "paged_adamw_8bit"}), s, longest=10, on_gpu=True)
     assert items(paged, "LoRA") == 112 * 16
 
 
@@ -69,18 +69,18 @@ def test_gpu_defaults_are_modelled():
     """fit: memory on a GPU: the input table and the checkpointed layer inputs live in host memory, 8-bit AdamW."""
     s = memory_model.Shapes.from_config(TOY)
     auto = {"offload_activations": "auto", "offload_embeddings": "auto", "tiled_mlp": "auto", "optim": "auto"}
-    est = memory_model.estimate(cfg(training=auto), s, seq=10, on_gpu=True)
+    est = memory_model.estimate(cfg(training=auto), s, longest=10, on_gpu=True)
     assert items(est, "base weights") == (1152 + 1640 - 100 * 8) * 2  # minus the 100 x 8 input embedding
     assert items(est, "LoRA") == 112 * 16  # 8-bit AdamW, but 32-bit states below 4096 elements
     tied = memory_model.Shapes.from_config(TOY | {"tie_word_embeddings": True})
     # a table tied to lm_head stays on the GPU, once
-    assert items(memory_model.estimate(cfg(training=auto), tied, seq=10, on_gpu=True), "base weights") == (1152 + 100 * 8 + 5 * 8) * 2
+    assert items(memory_model.estimate(cfg(training=auto), tied, longest=10, on_gpu=True), "base weights") == (1152 + 100 * 8 + 5 * 8) * 2
     # 2 layers' inputs at most stay on the GPU (in use, prefetched) instead of all 28 of a 7B
     r7 = memory_model.Shapes.from_config(QWEN7B)
-    on = items(memory_model.estimate(cfg(training=auto), r7, seq=4096, on_gpu=True), "activations kept")
-    off = items(memory_model.estimate(cfg(), r7, seq=4096, on_gpu=True), "activations kept")
+    on = items(memory_model.estimate(cfg(training=auto), r7, longest=4096, on_gpu=True), "activations kept")
+    off = items(memory_model.estimate(cfg(), r7, longest=4096, on_gpu=True), "activations kept")
     assert on == 2 * 4096 * 3584 * 2 and off == 28 * 4096 * 3584 * 2
-    cpu = memory_model.estimate(cfg(training=auto), s, seq=10, on_gpu=False)
+    cpu = memory_model.estimate(cfg(training=auto), s, longest=10, on_gpu=False)
     # bfloat16 as configured, nothing offloaded on CPU, no allocator or cuBLAS figures
     assert items(cpu, "base weights") == (1152 + 1640) * 2 and items(cpu, "LoRA") == 112 * 16
     assert items(cpu, "allocator") == 0 and items(cpu, "cuBLAS") == 0
@@ -198,12 +198,13 @@ def test_scan_reports_percentiles_and_worst_batch(tmp_path):
     assert scan.worst_batch_tokens == 32 * 22 and scan.longest_id.endswith("translate_train.jsonl:2")
 
 
-def test_run_writes_report_and_refuses_with_the_fix(tmp_path):
-    c = load_config(write_config(tmp_path))
+@pytest.mark.parametrize("packing, fix", [("off", "training.per_device_train_batch_size=16"), ("on", "training.max_tokens_per_batch=352")])
+def test_run_writes_report_and_refuses_with_the_fix(tmp_path, packing, fix):
+    c = load_config(write_config(tmp_path, training={"packing": packing}))
     ok = preflight.run(c, tmp_path / "ok")
     assert ok.fits and (tmp_path / "ok" / "preflight.md").read_text().startswith("## Preflight: FITS, estimated")
     assert json.loads((tmp_path / "ok" / "preflight.json").read_text())["lengths"]["max"] == 22
-    with pytest.raises(preflight.PreflightError, match=r"(?s)smallest change that fits: .*--set training.per_device_train_batch_size=16"):
+    with pytest.raises(preflight.PreflightError, match=r"(?s)smallest change that fits: .*--set " + fix):
         preflight.run(c, tmp_path / "tight", gpu_memory_gib=0.02)
 
 
