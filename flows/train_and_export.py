@@ -57,12 +57,22 @@ def publish_memory_timeline(steps_file, png) -> None:
     create_table_artifact(rows[::every], key="memory-steps-train", description=f"Memory per optimizer step (every {every}); plot: {png}")
 
 
+def publish_eval_curve(tr) -> None:
+    """The eval loss per eval as a table, with what it decided (no artifact without eval data)."""
+    if not getattr(tr, "eval_curve", None):  # also a result cached before eval existed
+        return
+    stop = f", stopped early at step {tr.steps}" if tr.stopped_early else ""
+    create_table_artifact(tr.eval_curve, key="eval-loss-train",
+                          description=f"Eval loss per loss-carrying token on the held-out data; lowest {tr.best_eval_loss:.4f} at step "
+                                      f"{tr.best_step}{stop}; adapter from step {tr.adapter_step}; plot: {tr.loss_png}")
+
+
 TRANSIENT = (ConnectionError, TimeoutError, BrokenPipeError)
 
 
 def data_fingerprint(cfg) -> str:
     """What the hand-off manifest records and retraining compares: the train and eval files' content."""
-    return data.fingerprint([cfg.data.train_file, cfg.data.eval_file])
+    return data.fingerprint(data.input_files(cfg))
 
 
 def retry_transient(task, task_run, state) -> bool:
@@ -146,6 +156,7 @@ def train_and_export(config: str = "configs/default.yaml", overrides: list[str] 
         # 2. LoRA / QLoRA adapter, resumable from checkpoints.
         tr = fresh(train_task, paths.stage("train"))(cfg, paths.stage("train"))
         publish_memory_timeline(paths.stage("train") / "memory_steps.jsonl", tr.memory_png)
+        publish_eval_curve(tr)
         # 3. Adapter merged into the 16-bit base.
         mg = fresh(merge_task, paths.stage("merge"))(cfg, tr.adapter_dir, paths.stage("merge"))
         # 4. GGUF f16 -> Q4_K_M, Q5_K_S, each verified.

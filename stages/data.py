@@ -20,6 +20,7 @@ of them at once, before any model is loaded.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import random
@@ -438,31 +439,41 @@ def _encode_all(samples: list[Sample], tokenizer) -> Tokenized:
 
 
 def _apply_policy(tok: Tokenized, max_length: int, policy: str) -> Tokenized:
-    out = Tokenized([], [], [])
-    too_long = []
+    out, too_long = Tokenized([], [], []), []
+    for row in _policy_rows(tok, max_length, policy, out, too_long):
+        out.input_ids.append(row["input_ids"])
+        out.labels.append(row["labels"])
+        out.ids.append(row["id"])
+    _check_policy(len(out.ids), max_length, policy, too_long)
+    return out
+
+
+def _policy_rows(tok: Tokenized, max_length: int, policy: str, report: Tokenized, too_long: list[str]):
+    """The rows data.long_sample_policy keeps, truncated where it says; what it truncates or drops
+    goes to `report`, what is too long to `too_long`."""
     for ids, labels, sid in zip(tok.input_ids, tok.labels, tok.ids, strict=True):
         if len(ids) > max_length:
             too_long.append(f"{sid} ({len(ids)} tokens)")
             if policy == "drop":
-                out.dropped.append(sid)
+                report.dropped.append(sid)
                 continue
             if policy == "truncate":
-                out.truncated.append(sid)
+                report.truncated.append(sid)
                 ids, labels = ids[:max_length], labels[:max_length]
         if not any(x != -100 for x in labels):
-            out.dropped.append(sid)  # truncation removed every answer token: nothing to learn
+            report.dropped.append(sid)  # truncation removed every answer token: nothing to learn
             continue
-        out.input_ids.append(ids)
-        out.labels.append(labels)
-        out.ids.append(sid)
+        yield {"input_ids": ids, "labels": labels, "id": sid, "length": len(ids)}
+
+
+def _check_policy(kept: int, max_length: int, policy: str, too_long: list[str]) -> None:
     if too_long and policy == "error":
         raise DataError(
             f"{len(too_long)} sample(s) exceed data.max_length={max_length}: {', '.join(too_long[:MAX_REPORTED])}; "
             "raise data.max_length, or set data.long_sample_policy to truncate or drop"
         )
-    if not out.input_ids:
+    if not kept:
         raise DataError("no sample is left to train on after applying data.long_sample_policy; raise data.max_length")
-    return out
 
 
 def _encode(sample: Sample, tokenizer) -> tuple[list[int], list[int]]:
@@ -507,6 +518,8 @@ class TrainingSet:
 
 
 CHUNK = 5000  # samples per tokenization task
+ROWS = "rows.arrow"
+CACHE_LAYOUT = 2  # bump when what _build writes changes
 
 
 def training_set(cfg, tokenizer, cache_root: Path | None = None) -> TrainingSet:
@@ -526,12 +539,12 @@ def training_set(cfg, tokenizer, cache_root: Path | None = None) -> TrainingSet:
     else:
         cached = True
     meta = json.loads((where / "done.json").read_text())
-    table = datasets.load_from_disk(str(where / "rows"))
+    table = datasets.Dataset.from_file(str(where / ROWS))  # memory-mapped
     return TrainingSet(table, table.data.column("length").to_pylist(), meta["truncated"], meta["dropped"], where, cached)
 
 
 def _cache_key(cfg, tokenizer) -> str:
-    h = hashlib.sha256()
+    h = hashlib.sha256(f"layout {CACHE_LAYOUT}".encode())  # a cache written by an older layout is not read
     h.update(fingerprint(input_files(cfg)).encode())
     h.update(cfg.data.model_dump_json(exclude={"eval_file", "num_proc"}).encode())
     h.update(str(cfg.training.seed).encode())  # the eval split and the mix are seeded
@@ -543,37 +556,62 @@ def _cache_key(cfg, tokenizer) -> str:
 
 
 def _build(cfg, tokenizer, where: Path) -> None:
+    """Tokenize in chunks across processes and stream the rows into one Arrow file: only the
+    samples and a few chunks are in memory at once, never the whole tokenized set."""
+    import multiprocessing
     import os
     import shutil
     import tempfile
     from concurrent.futures import ProcessPoolExecutor
 
     import datasets
+    from datasets.arrow_writer import ArrowWriter
 
     samples = train_samples(cfg)
     d = cfg.data
     procs = max(1, min(d.num_proc or os.cpu_count() or 1, -(-len(samples) // CHUNK)))
-    chunks = [samples[i:i + CHUNK] for i in range(0, len(samples), CHUNK)]
+    chunks = (samples[i:i + CHUNK] for i in range(0, len(samples), CHUNK))
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # a forked tokenizer with threads would deadlock
-    if procs > 1:
-        import multiprocessing
-
-        with ProcessPoolExecutor(procs, mp_context=multiprocessing.get_context("fork")) as pool:
-            parts = list(pool.map(_encode_all, chunks, [tokenizer] * len(chunks)))
-    else:
-        parts = [_encode_all(c, tokenizer) for c in chunks]
-    whole = Tokenized([], [], [])
-    for p in parts:
-        whole.input_ids += p.input_ids
-        whole.labels += p.labels
-        whole.ids += p.ids
-    tok = _apply_policy(whole, d.max_length, d.long_sample_policy)
+    report, too_long = Tokenized([], [], []), []  # report: only truncated / dropped ids
+    features = datasets.Features({
+        "input_ids": datasets.List(datasets.Value("int32")),
+        "labels": datasets.List(datasets.Value("int32")),
+        "id": datasets.Value("string"),
+        "length": datasets.Value("int32"),
+    })
     where.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=where.name + ".", dir=where.parent))
-    table = datasets.Dataset.from_dict({"input_ids": tok.input_ids, "labels": tok.labels, "id": tok.ids, "length": tok.lengths})
-    table.save_to_disk(str(tmp / "rows"))
-    (tmp / "done.json").write_text(json.dumps({"samples": len(tok.ids), "truncated": tok.truncated, "dropped": tok.dropped}))
     try:
+        with contextlib.ExitStack() as stack:
+            if procs > 1:
+                pool = stack.enter_context(ProcessPoolExecutor(procs, mp_context=multiprocessing.get_context("fork")))
+                parts = _bounded_map(pool, _encode_all, chunks, tokenizer, ahead=2 * procs)
+            else:
+                parts = (_encode_all(c, tokenizer) for c in chunks)
+            writer = stack.enter_context(ArrowWriter(features=features, path=str(tmp / ROWS)))
+            for part in parts:
+                for row in _policy_rows(part, d.max_length, d.long_sample_policy, report, too_long):
+                    writer.write(row)
+            kept, _ = writer.finalize()
+        _check_policy(kept, d.max_length, d.long_sample_policy, too_long)
+        (tmp / "done.json").write_text(json.dumps({"samples": kept, "truncated": report.truncated, "dropped": report.dropped}))
         tmp.rename(where)  # atomic: a concurrent run that built it first wins, this copy goes
     except OSError:
+        if not where.is_dir():
+            raise
+    finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _bounded_map(pool, fn, items, arg, ahead: int):
+    """pool.map(fn, items) in order, with at most `ahead` results waiting: Executor.map submits
+    every item at once, and finished chunks would pile up in memory while the writer catches up."""
+    import collections
+
+    pending = collections.deque()
+    for item in items:
+        pending.append(pool.submit(fn, item, arg))
+        if len(pending) >= ahead:
+            yield pending.popleft().result()
+    while pending:
+        yield pending.popleft().result()

@@ -5,11 +5,17 @@
 merged safetensors --convert_hf_to_gguf.py--> model-f16.gguf --llama_model_quantize--> model-Q4_K_M.gguf, model-Q5_K_S.gguf
 
 Each quantized file is read back with gguf-py and checked: architecture, general.file_type,
-and every weight matrix in a type its name promises (Q4_K_M: Q4_K with some Q5_K/Q6_K;
-Q5_K_S: Q5_K with Q6_K for the output). K-quants work on 256-value super-blocks; a matrix
-whose rows are not a multiple of 256 silently falls back to another type, which this
-check reports by tensor name. Vocabulary size, BOS/EOS ids and the chat template must
-equal the HF tokenizer's, or the model will not stop or will be prompted wrongly.
+and every tensor in the type llama.cpp's own rule gives it (stages/quant_types.py): the
+mix's K-type, or, for a matrix whose rows are not a multiple of 256 (widths 576, 896,
+960), the fallback llama.cpp picks (Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0). Fallbacks
+are counted per file in export_result.json, the model card and the hand-off manifest.
+Vocabulary size, BOS/EOS ids and the chat template must equal the HF tokenizer's, and
+the GGUF must tokenize held-out texts as HF does, or the model will not stop or will be
+prompted wrongly.
+
+The converter and the quantizer write a line per tensor: those go to model-*.convert.log
+and model-*.quantize.log next to the GGUFs, and the run's log gets one line per file
+(TAE_VERBOSE=1 prints every line too).
 """
 
 from __future__ import annotations
@@ -18,30 +24,16 @@ import argparse
 import contextlib
 import errno
 import json
-import re
-import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from stages import data, errors, fidelity, llamacpp, memory
+from stages import data, errors, fidelity, gguf_convert, llamacpp, memory, quant_types
 from stages.config import QUANT_FTYPES, RunConfig, load_config
 from stages.errors import MissingInput
 from stages.llamacpp_process import LlamaProcess
 from stages.memory import MemoryReport
 from stages.modelio import load_tokenizer
-
-# Types a K-quant mix may use for weight matrices (llama.cpp's llama_tensor_get_type).
-ALLOWED = {
-    "Q4_K_M": {"Q4_K", "Q5_K", "Q6_K"},
-    "Q4_K_S": {"Q4_K", "Q5_K", "Q6_K"},
-    "Q5_K_S": {"Q5_K", "Q6_K"},
-    "Q5_K_M": {"Q5_K", "Q6_K"},
-    "Q6_K": {"Q6_K"},
-    "Q8_0": {"Q8_0"},
-}
-MAIN_TYPE = {"Q4_K_M": "Q4_K", "Q4_K_S": "Q4_K", "Q5_K_S": "Q5_K", "Q5_K_M": "Q5_K", "Q6_K": "Q6_K", "Q8_0": "Q8_0"}
 
 
 @dataclass
@@ -51,6 +43,8 @@ class GgufFile:
     ftype: int
     size_mib: float
     tensor_types: dict[str, int]   # type -> number of tensors
+    n_fallback: int = 0            # tensors in llama.cpp's fallback type: their rows are not a multiple of the K-type's 256
+    fallbacks: dict[str, int] = field(default_factory=dict)  # "Q4_K->Q5_0" -> tensors
 
 
 @dataclass
@@ -90,24 +84,32 @@ def run(cfg: RunConfig, merged_dir: Path, out_dir: Path) -> ExportResult:
 
     with memory.track("export", out_dir) as meter, _no_partial_files(out_dir):
         base = out_dir / f"model-{cfg.export.outtype}.gguf"
-        convert(meter, converter, merged_dir, base, cfg.export.outtype)
+        converted = gguf_convert.convert(meter, converter, merged_dir, base, cfg.export.outtype)
         lap(f"convert_{cfg.export.outtype}")
         rows = json.loads((merged_dir / "config.json").read_text()).get("vocab_size")
         checks = {"base": check_tokenizer(llamacpp.read_gguf(base), tokenizer, rows)}
-        checks["tokenization"] = check_tokenization(base, tokenizer, data.held_out_texts(cfg, tokenizer, 20))
+        texts = data.held_out_texts(cfg, tokenizer, 20)
+        if converted.pre_tokenizer:  # named from tokenizer.json, not recognized by the converter: prove it on its probe text
+            texts.append(gguf_convert.probe_text(converter))
+            checks["pre_tokenizer"] = {"name": converted.pre_tokenizer, "from": "tokenizer.json", "probe_text_compared": True}
+        checks["tokenization"] = check_tokenization(base, tokenizer, texts)
         lap("tokenizer_checks")
         files = []
         for quant in cfg.export.quant_types:
             path = out_dir / f"model-{quant}.gguf"
             tmp = path.with_suffix(".gguf.partial")
             errors.inject("export-quantize", tmp)
-            llamacpp.quantize(base, tmp, QUANT_FTYPES[quant])
+            log = path.with_suffix(".quantize.log")
+            log.write_text(llamacpp.quantize(base, tmp, QUANT_FTYPES[quant]))
+            if llamacpp.EXPORT_VERBOSE:
+                print(log.read_text())
             info = llamacpp.read_gguf(tmp)
-            check_quant_types(info, quant, tmp)
+            fallbacks = check_quant_types(info, quant, tmp)
             checks[quant] = check_tokenizer(info, tokenizer, rows)
             tmp.rename(path)
-            files.append(GgufFile(quant, path, QUANT_FTYPES[quant], round(path.stat().st_size / 2**20, 3), llamacpp.type_counts(info)))
-            print(f"export: {path.name} {files[-1].size_mib:.1f} MiB {files[-1].tensor_types}")
+            files.append(GgufFile(quant, path, QUANT_FTYPES[quant], round(path.stat().st_size / 2**20, 3), llamacpp.type_counts(info),
+                                  sum(fallbacks.values()), fallbacks))
+            print(quant_summary(files[-1], log))
             lap(f"quantize_{quant}")
         drift = check_fidelity(cfg, tokenizer, merged_dir, [(cfg.export.outtype, base)] + [(f.quant, f.path) for f in files])
         lap("fidelity")
@@ -132,36 +134,6 @@ def _no_partial_files(out_dir: Path):
         raise
 
 
-# transformers 5 writes rope_type "default" for plain RoPE; the converter knows only the scaled types by name,
-# warns, and writes plain RoPE (rope_theta as the frequency base), which is what "default" means.
-CONVERTER_HARMLESS = ("Unknown RoPE type: default",)
-
-
-def convert(meter: memory.track, converter: Path, merged_dir: Path, dst: Path, outtype: str) -> None:
-    """convert_hf_to_gguf.py in a subprocess (its peak RSS is measured as the stage's child)."""
-    tmp = dst.with_suffix(".gguf.partial")
-    cmd = [sys.executable, str(converter / "convert_hf_to_gguf.py"), str(merged_dir), "--outfile", str(tmp), "--outtype", outtype]
-    proc = meter.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    log = dst.with_suffix(".convert.log")  # a line per tensor: the file keeps it, the run's log gets what matters
-    log.write_text(proc.stdout or "")
-    notable = [line for line in (proc.stdout or "").splitlines()
-               if ("WARNING" in line or "ERROR" in line) and not any(h in line for h in CONVERTER_HARMLESS)]
-    print(f"export: {merged_dir.name} -> {dst.name} (converter log: {log})", *notable, sep="\n")
-    if proc.returncode != 0 or not tmp.is_file():
-        print(*(proc.stdout or "").splitlines()[-40:], sep="\n")
-        tmp.unlink(missing_ok=True)
-        unsupported = re.search(r"Model (\S+) is not supported", proc.stdout or "")
-        if unsupported:
-            raise llamacpp.UnsupportedArchitecture(
-                f"llama.cpp's converter (llama-cpp-python {llamacpp.runtime_version()}) does not support the architecture "
-                f"{unsupported.group(1)} of {merged_dir}; nothing was exported. Use a base model of a supported family "
-                "(Llama, Qwen2, Mistral, Gemma, Phi, ...) or a llama-cpp-python release whose converter lists it"
-            )
-        raise RuntimeError(f"convert_hf_to_gguf.py failed (exit {proc.returncode}) on {merged_dir}; the end of its output is above, "
-                           f"all of it in {log}")
-    tmp.rename(dst)
-
-
 def check_fidelity(cfg: RunConfig, tokenizer, merged_dir: Path, ggufs: list[tuple[str, Path]]) -> list[fidelity.Fidelity]:
     """Every GGUF against the merged model on held-out texts; FidelityError on a breach."""
     sequences = fidelity.held_out_ids(cfg, tokenizer, cfg.export.fidelity.samples)
@@ -174,24 +146,34 @@ def check_fidelity(cfg: RunConfig, tokenizer, merged_dir: Path, ggufs: list[tupl
     return results
 
 
-def check_quant_types(info: dict, quant: str, path: Path) -> None:
-    """Every weight matrix in a type `quant` allows, and the main type in the majority."""
+def check_quant_types(info: dict, quant: str, path: Path) -> dict[str, int]:
+    """Every tensor llama.cpp quantizes in the type its `quant` rule gives it (the K-type, an upgrade the mix makes,
+    or the fallback for rows that are not a multiple of 256); returns the fallbacks, "Q4_K->Q5_0" -> tensors."""
     ftype = info["fields"].get("general.file_type")
     if ftype != QUANT_FTYPES[quant]:
         raise ValueError(f"{path.name}: general.file_type is {ftype}, expected {QUANT_FTYPES[quant]} ({quant})")
-    matrices = {n: t for n, t in info["tensor_types"].items() if len(info["tensor_shapes"][n]) >= 2 and n != "token_embd.weight"}
-    odd = {n: t for n, t in matrices.items() if t not in ALLOWED[quant]}
-    if odd:
-        rows = {n: info["tensor_shapes"][n][0] for n in odd}
+    expected = quant_types.expected(info, quant)
+    wrong = {n: c for n, c in expected.items() if info["tensor_types"][n] != c.type}
+    if wrong:
+        def why(c: quant_types.Choice) -> str:
+            return f"{c.rule} falls back: row {c.row} is not a multiple of {quant_types.BLOCK[c.rule]}" if c.fallback else f"row {c.row}"
+
         raise ValueError(
-            f"{path.name}: {len(odd)} weight matrices are not in a {quant} type: "
-            + ", ".join(f"{n}={t} (row {rows[n]})" for n, t in list(odd.items())[:8])
-            + "; K-quants need rows that are a multiple of 256, so this model cannot be fully "
-            f"{quant}-quantized; choose Q8_0 in export.quant_types or a model with such shapes"
+            f"{path.name}: {len(wrong)} of {len(expected)} tensors are not in the type llama.cpp's {quant} rule gives them: "
+            + ", ".join(f"{n} is {info['tensor_types'][n]}, expected {c.type} ({why(c)})" for n, c in list(wrong.items())[:8])
+            + f"; the file is not what llama-cpp-python {llamacpp.runtime_version()} writes for {quant}. If llama-cpp-python was "
+            "upgraded, port its src/llama-quant.cpp type rule into stages/quant_types.py; otherwise re-export"
         )
-    main = sum(t == MAIN_TYPE[quant] for t in matrices.values())
-    if main * 2 < len(matrices):
-        raise ValueError(f"{path.name}: only {main}/{len(matrices)} matrices are {MAIN_TYPE[quant]}; this is not a {quant} file")
+    return quant_types.fallbacks(expected)
+
+
+def quant_summary(f: GgufFile, log: Path) -> str:
+    """One line for the run's log per quantized file: types, fallbacks (counted as llama.cpp's own warning counts
+    them), and where the per-tensor lines are."""
+    types = ", ".join(f"{t} {n}" for t, n in f.tensor_types.items())
+    fell = (f"{f.n_fallback} of {sum(f.tensor_types.values())} tensors fell back (rows not a multiple of 256): "
+            + ", ".join(f"{k} {n}" for k, n in f.fallbacks.items())) if f.n_fallback else "no fallbacks"
+    return f"export: {f.path.name} {f.size_mib:.1f} MiB: {types}; {fell}; per-tensor log {log.name}"
 
 
 def check_tokenizer(info: dict, tokenizer, model_vocab: int | None = None) -> dict:
@@ -258,7 +240,7 @@ def main(argv: list[str] | None = None) -> None:
     a = ap.parse_args(argv)
     r = run(load_config(a.config), a.merged, a.out)
     for f in r.files:
-        print(f"{f.quant}: {f.path} ({f.size_mib} MiB) {f.tensor_types}")
+        print(f"{f.quant}: {f.path} ({f.size_mib} MiB) {f.tensor_types}, {f.n_fallback} fallbacks {f.fallbacks}")
 
 
 if __name__ == "__main__":

@@ -4,9 +4,11 @@
         model-Q4_K_M.gguf, model-Q5_K_S.gguf
         SHA256SUMS        `sha256sum -c SHA256SUMS` verifies every other file
         manifest.json     base model + hash, adapter hash, data fingerprint, config, quant
-                          types, merge choice, fidelity, smoke results, per-stage memory
-                          peaks, stop tokens, versions, Prefect flow-run id
-        Modelfile         Ollama: FROM the first GGUF, TEMPLATE, stop tokens
+                          types (with llama.cpp's fallback tensors per file), merge choice,
+                          fidelity, smoke results, per-stage memory peaks, stop tokens,
+                          versions, Prefect flow-run id
+        Modelfile         Ollama: FROM the first GGUF, TEMPLATE (with the default system
+                          turn, if the chat template has one), stop tokens
         README.md         the model card
     artifacts/handoff/<model_name>/latest -> <version>
 
@@ -30,7 +32,7 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
-from stages import errors, modelcard
+from stages import errors, modelcard, quant_types
 from stages.config import RunConfig
 from stages.errors import DiskFull, RunError
 from stages.memory import MemoryReport, track
@@ -143,7 +145,7 @@ def _manifest(cfg, version, gguf_files, sums, adapter_dir, data_fingerprint, smo
         "adapter": {"sha256": sha256_dir(adapter_dir), "method": "qlora" if cfg.quantization.load_in_4bit else "lora"},
         "data_fingerprint": data_fingerprint,
         "files": [
-            {"file": Path(p).name, "quant": q, "sha256": sums[Path(p).name], "bytes": Path(p).stat().st_size}
+            {"file": Path(p).name, "quant": q, "sha256": sums[Path(p).name], "bytes": Path(p).stat().st_size} | _fallbacks(q, p)
             for q, p in gguf_files
         ],
         "smoke": smoke,
@@ -151,6 +153,16 @@ def _manifest(cfg, version, gguf_files, sums, adapter_dir, data_fingerprint, smo
         "versions": _versions(),
         "config": json.loads(cfg.model_dump_json()),
     } | extra
+
+
+def _fallbacks(quant: str, gguf: Path) -> dict:
+    """Tensors llama.cpp gave its fallback type because their rows are not a multiple of 256 (export checked each)."""
+    from stages import llamacpp
+
+    if quant not in quant_types.DEFAULT_TYPE:
+        return {}
+    counts = quant_types.fallbacks(quant_types.expected(llamacpp.read_gguf(gguf), quant))
+    return {"n_fallback": sum(counts.values()), "fallbacks": counts}
 
 
 def _serving(cfg: RunConfig, gguf: Path) -> dict:
@@ -164,8 +176,19 @@ def _serving(cfg: RunConfig, gguf: Path) -> dict:
     for key in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
         if f.get(key) is not None:
             stops.append(tok.convert_ids_to_tokens(int(f[key])))
+    add_bos = f.get("tokenizer.ggml.add_bos_token")
+    if add_bos is None:  # llama.cpp's default depends on the tokenizer (SentencePiece yes, SmolLM's BPE no): ask it
+        add_bos = _llama_adds_bos(gguf)
     return {"template": f.get("tokenizer.chat_template") or tok.chat_template, "bos_token": tok.bos_token or "",
-            "eos_token": tok.eos_token or "", "stops": [s for s in stops if s], "add_bos": bool(f.get("tokenizer.ggml.add_bos_token", True))}
+            "eos_token": tok.eos_token or "", "stops": [s for s in stops if s], "add_bos": bool(add_bos)}
+
+
+def _llama_adds_bos(gguf: Path) -> bool:
+    from stages.llamacpp_process import LlamaProcess
+
+    with LlamaProcess(gguf.name) as vocab:
+        vocab.call("load", str(gguf), vocab_only=True)
+        return vocab.call("add_bos")
 
 
 def _versions() -> dict:

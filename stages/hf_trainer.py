@@ -1,5 +1,11 @@
 """The HF Trainer as training (and the preflight's probe) runs it, its callbacks, and how
-a finished or failed one lets go of the model."""
+a finished or failed one lets go of the model.
+
+With eval rows, the Trainer evaluates every `training.eval_steps` (stages/eval_loss.py: loss per
+loss-carrying token of the whole eval set), stops early after `training.early_stopping_patience`
+evals without a lower eval loss (transformers' EarlyStoppingCallback), and with `training.load_best`
+ends holding the checkpoint of the lowest eval loss (load_best_model_at_end on eval_loss).
+"""
 
 from __future__ import annotations
 
@@ -12,7 +18,7 @@ from pathlib import Path
 import torch
 from transformers import TrainerCallback
 
-from stages import kernels, memory
+from stages import eval_loss, kernels, memory
 from stages.config import RunConfig
 from stages.modelio import compute_dtype, device
 from stages.offload import OffloadActivations
@@ -31,13 +37,18 @@ logging.getLogger("transformers.trainer_utils").addFilter(_NumericCheckpointOrde
 
 
 def make_trainer(cfg: RunConfig, model, train_rows, collator, out_dir: Path,
-                 callbacks: list | None = None, **overrides):
+                 callbacks: list | None = None, *, eval_rows: list[dict] | None = None,
+                 memory_sinks: tuple = (), **overrides):
     """The HF Trainer exactly as training uses it; `overrides` change TrainingArguments (the probe's 2 steps).
 
-    `train_rows` is a list of rows (padded) or a PackedRows plan (packed): the Trainer then reads
-    one packed micro-batch per item, in the plan's order, which is already shuffled and seeded.
+    Args:
+        train_rows: a list of rows (padded) or a PackedRows plan (packed): the Trainer then reads
+            one packed micro-batch per item, in the plan's order, which is already shuffled and seeded.
+        eval_rows: tokenized held-out rows (batches.rows); none or empty: no eval, and the eval
+            settings (eval_steps, early_stopping_patience, load_best) do nothing.
+        memory_sinks: callables given each per-step memory row as it is written (the trackers).
     """
-    from transformers import Trainer, TrainingArguments
+    from transformers import EarlyStoppingCallback, Trainer, TrainingArguments
 
     t = cfg.training
     packed = isinstance(train_rows, PackedRows)
@@ -74,6 +85,12 @@ def make_trainer(cfg: RunConfig, model, train_rows, collator, out_dir: Path,
         disable_tqdm=False,
         logging_first_step=True,
     )
+    eval_items = eval_loss.micro_batches(cfg, eval_rows or [], packed)  # shaped like the training micro-batches
+    every = eval_loss.eval_steps(cfg, bool(eval_items))
+    if every:
+        kwargs |= dict(eval_strategy="steps", eval_steps=every, metric_for_best_model="eval_loss", greater_is_better=False,
+                       load_best_model_at_end=t.load_best,
+                       prediction_loss_only=True)  # any other eval path (predict) gathers no logits either
     args = TrainingArguments(**(kwargs | overrides))
     if args.n_gpu > 1:
         # One process and several visible GPUs: the Trainer would wrap nn.DataParallel, which copies the
@@ -83,9 +100,12 @@ def make_trainer(cfg: RunConfig, model, train_rows, collator, out_dir: Path,
 
     offload = kernels.offload_activations(cfg)
 
-    class OffloadingTrainer(Trainer):
-        """The forward runs with saved activations offloaded to pinned CPU memory (when on), and
-        the micro-batches trained on are counted (tokens/s, the OOM post-mortem's batch)."""
+    eval_collate = eval_loss.collate_like(collator) if every else None
+
+    class StageTrainer(Trainer):
+        """The forward runs with saved activations offloaded to pinned CPU memory (when on), the
+        micro-batches trained on are counted (tokens/s, the OOM post-mortem's batch), and eval loss
+        is per loss-carrying token of the whole eval set."""
 
         def __init__(self, *a, **kw):
             super().__init__(*a, **kw)
@@ -93,6 +113,25 @@ def make_trainer(cfg: RunConfig, model, train_rows, collator, out_dir: Path,
             # this class, i.e. as long as the trainer, after release() has dropped every other reference
             self.offload = OffloadActivations(self.model) if offload else None
             self.micro_batches = 0  # trained on in this process (an epoch's last step can have fewer than the accumulation)
+            self.evaluating = False  # stays True if an eval batch ran out of memory (the post-mortem says so)
+
+        def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix="eval"):
+            """Eval loss on this process's share of the eval micro-batches, summed over processes, then
+            logged and handed to the callbacks (early stopping, best checkpoint) as the Trainer's own is."""
+            start = time.perf_counter()
+            items = self.eval_dataset if eval_dataset is None else eval_dataset
+            self.evaluating = True
+            total, tokens = eval_loss.measure(self.model, items[self.args.process_index::self.args.world_size], eval_collate,
+                                              self.args.device, self.accelerator.autocast)
+            self.evaluating = False
+            summed = self.accelerator.reduce(torch.stack([total, torch.tensor(float(tokens), dtype=total.dtype, device=total.device)]),
+                                             reduction="sum")
+            total, tokens = summed.tolist()
+            metrics = {f"{metric_key_prefix}_loss": total / tokens if tokens else float("nan"),
+                       f"{metric_key_prefix}_tokens": int(tokens), f"{metric_key_prefix}_runtime": round(time.perf_counter() - start, 3)}
+            self.log(metrics)
+            self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
+            return metrics
 
         def training_step(self, *args, **kwargs):
             self.micro_batches += 1
@@ -105,10 +144,11 @@ def make_trainer(cfg: RunConfig, model, train_rows, collator, out_dir: Path,
                 stack.enter_context(self.offload)
             return stack
 
-    return OffloadingTrainer(
-        model=model, args=args, train_dataset=train_rows,
+    stop_early = [EarlyStoppingCallback(t.early_stopping_patience)] if every and t.early_stopping_patience else []
+    return StageTrainer(
+        model=model, args=args, train_dataset=train_rows, eval_dataset=eval_items if every else None,
         data_collator=collator,
-        callbacks=[MemoryCallback(out_dir / "memory_steps.jsonl"), *(callbacks or [])],
+        callbacks=[MemoryCallback(out_dir / "memory_steps.jsonl", memory_sinks), *stop_early, *(callbacks or [])],
     )
 
 
@@ -145,13 +185,14 @@ def forget_optimizer_overrides(model) -> None:
 
 
 class MemoryCallback(TrainerCallback):
-    """Appends memory.stats() at every optimizer step to a JSON-lines file.
+    """Appends memory.stats() at every optimizer step to a JSON-lines file, and hands the same row
+    to each of `sinks` (the trackers, stages/tracking.py).
 
     Only reads state; the CUDA figures come from the allocator's counters, not a sync.
     """
 
-    def __init__(self, path: Path) -> None:
-        self.path = path
+    def __init__(self, path: Path, sinks: tuple = ()) -> None:
+        self.path, self.sinks = path, sinks
         path.parent.mkdir(parents=True, exist_ok=True)
 
     def on_step_end(self, args, state, control, **kwargs):
@@ -162,6 +203,8 @@ class MemoryCallback(TrainerCallback):
         }
         with self.path.open("a") as f:
             f.write(json.dumps(row) + "\n")
+        for sink in self.sinks:
+            sink(row)
         return control
 
 

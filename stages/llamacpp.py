@@ -8,6 +8,7 @@ can write metadata the runtime misreads, so the versions must match exactly.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 from collections import Counter
@@ -21,6 +22,9 @@ MAX_METADATA_STRING = 1 << 20  # a chat template or any string over 1 MiB in GGU
 # llama-cpp-python silences fd 1 and 2 while it loads a model unless verbose: then a crash inside
 # llama.cpp (even Python's faulthandler report) leaves no trace. TAE_LLAMA_VERBOSE=1 keeps its log.
 VERBOSE = os.environ.get("TAE_LLAMA_VERBOSE") == "1"
+# The converter and the quantizer write a line per tensor: the export stage keeps those in a log file next to the
+# GGUF and prints one summary line per file. TAE_VERBOSE=1 prints every line as well.
+EXPORT_VERBOSE = os.environ.get("TAE_VERBOSE") == "1"
 
 
 class UnsupportedArchitecture(UserError, ValueError):
@@ -55,21 +59,47 @@ def converter_dir() -> Path:
     return d
 
 
-def quantize(src: Path, dst: Path, ftype: int, nthread: int = 0) -> None:
-    """llama.cpp's own quantizer, in-process (llama_model_quantize)."""
+def quantize(src: Path, dst: Path, ftype: int, nthread: int = 0) -> str:
+    """llama.cpp's own quantizer, in-process (llama_model_quantize); returns its log (a line per tensor)."""
     import llama_cpp
 
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = ftype
     params.nthread = nthread or (os.cpu_count() or 1)
-    rc = llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params))
+    with captured_log() as log:
+        rc = llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params))
     if rc != 0 or not dst.is_file():
+        print(*"".join(log).splitlines()[-20:], sep="\n")  # llama.cpp's reason, if it gave one
         import errno
         import shutil
 
         if shutil.disk_usage(dst.parent).free < src.stat().st_size // 2:  # llama.cpp says only "failed": a full disk is the likely why
             raise errors.no_space(OSError(errno.ENOSPC, "No space left on device", str(dst)))
         raise RuntimeError(f"llama_model_quantize({src.name} -> {dst.name}, ftype {ftype}) failed with code {rc}")
+    return "".join(log)
+
+
+@contextlib.contextmanager
+def captured_log():
+    """llama.cpp's log, collected into a list of text pieces instead of going to stderr, while the block runs.
+
+    llama-cpp-python prints every piece with print(..., file=sys.stderr), which a Prefect flow with log_prints
+    turns into one log record each: hundreds per quantized file. Its own callback is put back afterwards.
+    """
+    import llama_cpp
+    from llama_cpp import _logger
+
+    pieces: list[str] = []
+
+    @llama_cpp.llama_log_callback
+    def collect(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
+        pieces.append(text.decode("utf-8", errors="replace"))
+
+    llama_cpp.llama_log_set(collect, ctypes.c_void_p(0))
+    try:
+        yield pieces
+    finally:
+        llama_cpp.llama_log_set(_logger.llama_log_callback, ctypes.c_void_p(0))
 
 
 def read_gguf(path: Path) -> dict:

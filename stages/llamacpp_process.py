@@ -134,6 +134,13 @@ def _tokenize(texts: list[str]) -> list[list[int]]:
     return [_llm.tokenize(t.encode(), add_bos=False, special=True) for t in texts]
 
 
+def _add_bos() -> bool:
+    """Whether llama.cpp puts BOS before a prompt it tokenizes (tokenizer.ggml.add_bos_token, else its per-tokenizer default)."""
+    import llama_cpp
+
+    return bool(llama_cpp.llama_vocab_get_add_bos(llama_cpp.llama_model_get_vocab(_llm.model)))
+
+
 def _pieces(ids: list[int]) -> list[str]:
     return [_llm.detokenize([t]).decode(errors="replace") for t in ids]
 
@@ -158,7 +165,7 @@ def _signal_name(n: int) -> str:
 
 
 # VmHWM, not ru_maxrss: the latter starts at the (torch) parent's peak, inherited across fork and exec.
-WORKER = {"load": _load, "gpu_offload": _gpu_offload, "scores": _scores, "tokenize": _tokenize, "pieces": _pieces,
+WORKER = {"load": _load, "gpu_offload": _gpu_offload, "scores": _scores, "tokenize": _tokenize, "pieces": _pieces, "add_bos": _add_bos,
           "chat": _chat, "peak_rss_gib": memory.peak_rss_gib}
 
 

@@ -16,6 +16,7 @@ Modelfile then leaves TEMPLATE out: Ollama falls back to the template stored in 
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 
 from jinja2.exceptions import TemplateError
@@ -45,9 +46,13 @@ class TurnTemplate:
     assistant: tuple[str, str]
     system: tuple[str, str] | None
     generation: str       # after the last message, to make the model answer
+    default_system: str = ""  # after the prefix when the conversation has no system message (a default system turn)
 
     def assemble(self, messages: list[dict]) -> str:
+        """The text the Go template renders for `messages` (as Ollama fills .System and .Messages)."""
         parts = [self.prefix]
+        if not any(m["role"] == "system" for m in messages):
+            parts.append(self.default_system)
         for m in messages:
             pre, suf = {"user": self.user, "assistant": self.assistant, "system": self.system}[m["role"]]
             parts += [pre, m["content"], suf]
@@ -60,7 +65,8 @@ class TurnTemplate:
             f'{{{{ {"if" if i == 0 else "else if"} eq .Role "{role}" }}}}{pre}{{{{ .Content }}}}{suf}'
             for i, (role, (pre, suf)) in enumerate((r, p) for r, p in branches if p is not None)
         )
-        return f"{self.prefix}{{{{ range .Messages }}}}{body}{{{{ end }}}}{{{{ end }}}}{self.generation}"
+        default = f"{{{{ if not .System }}}}{self.default_system}{{{{ end }}}}" if self.default_system else ""
+        return f"{self.prefix}{default}{{{{ range .Messages }}}}{body}{{{{ end }}}}{{{{ end }}}}{self.generation}"
 
 
 def turn_template(template: str, bos_token: str, eos_token: str, *, strip_bos: bool) -> TurnTemplate | None:
@@ -81,33 +87,45 @@ def turn_template(template: str, bos_token: str, eos_token: str, *, strip_bos: b
         head = one[: one.index(U)]
         if u_pre is None or not head.endswith(u_pre) or not one_gen.startswith(one):
             return None
-        prefix = head[: len(head) - len(u_pre)]
+        prefix = head[: len(head) - len(u_pre)]  # all that precedes the first user turn when there is no system message
         a_pre = two[one.index(U) + len(U): two.index(A)][len(u_suf):]
-        system = None
+        system, default = None, ""
         try:
             sys_text = r([("system", S), ("user", U)])
             if S in sys_text:
-                s_end = sys_text.index(S) + len(S)
-                system = (sys_text[len(prefix): sys_text.index(S)], sys_text[s_end: sys_text.index(U) - len(u_pre)])
+                s_head = sys_text[: sys_text.index(S)]
+                s_suf = sys_text[sys_text.index(S) + len(S): sys_text.index(U) - len(u_pre)]
+                if not s_head.startswith(prefix):  # no system message renders text a system message replaces
+                    prefix, default = _split_default(s_head, prefix, u_pre)
+                system = (s_head[len(prefix):], s_suf)
         except TemplateError:
             pass
-        tt = TurnTemplate(prefix, (u_pre, u_suf), (a_pre, a_suf), system, one_gen[len(one):])
+        tt = TurnTemplate(prefix, (u_pre, u_suf), (a_pre, a_suf), system, one_gen[len(one):], default)
     except (TemplateError, ValueError):
         return None
-    # The derived pieces must rebuild what Jinja renders, or they are not trusted.
-    convo = ([{"role": "system", "content": "Be brief."}] if tt.system else []) + [
-        {"role": "user", "content": "Hi there"}, {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Bye"}]
+    # The derived pieces must rebuild what Jinja renders, with and without a system message, or they are not trusted.
+    turns = [{"role": "user", "content": "Hi there"}, {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Bye"}]
+    convos = [turns] + ([[{"role": "system", "content": "Be brief."}, *turns]] if tt.system else [])
     try:
-        if tt.assemble(convo) != render(template, convo, add_generation_prompt=True, bos_token=bos_token, eos_token=eos_token):
+        if any(tt.assemble(c) != render(template, c, add_generation_prompt=True, bos_token=bos_token, eos_token=eos_token) for c in convos):
             return None
     except TemplateError:
         return None
-    pieces = [tt.prefix, tt.generation, *tt.user, *tt.assistant, *(tt.system or ())]
+    pieces = [tt.prefix, tt.generation, tt.default_system, *tt.user, *tt.assistant, *(tt.system or ())]
     if any(bad in p for p in pieces for bad in ('"""', "{{", "}}")):
         return None  # would end the Modelfile's TEMPLATE block or be read as Go template code
     if strip_bos and bos_token and tt.prefix.startswith(bos_token):
         tt.prefix = tt.prefix[len(bos_token):]  # llama.cpp adds BOS itself (tokenizer.ggml.add_bos_token)
     return tt
+
+
+def _split_default(s_head: str, head: str, u_pre: str) -> tuple[str, str]:
+    """(prefix, default system text) for a template that renders `head` with no system message and `s_head` before
+    a system message's content. Any split inside their common start renders the same conversations; the one
+    chosen makes the system turn open like a user turn does ("<|im_start|>"), so it reads as a turn of its own."""
+    common = len(os.path.commonprefix([s_head, head]))
+    k = max(range(common + 1), key=lambda k: (len(os.path.commonprefix([s_head[k:], u_pre])), -k))
+    return head[:k], head[k:]
 
 
 def modelfile(gguf_name: str, others: list[str], template: str, bos_token: str, eos_token: str, stops: list[str],
@@ -117,6 +135,8 @@ def modelfile(gguf_name: str, others: list[str], template: str, bos_token: str, 
     lines = [f"# Ollama: ollama create <name> -f Modelfile   (other quantizations in this bundle: {', '.join(others) or 'none'})",
              f"FROM ./{gguf_name}"]
     if tt is not None:
+        if tt.default_system:
+            lines.append(f"# the chat template's default system turn, used when a conversation has no system message: {tt.default_system!r}")
         lines.append(f'TEMPLATE """{tt.go_template()}"""')
     else:
         lines.append("# TEMPLATE omitted: the chat template is not plain per-role text; Ollama uses the GGUF's tokenizer.chat_template")
@@ -130,11 +150,13 @@ def readme(manifest: dict, modelfile_has_template: bool) -> str:
     files = manifest["files"]
     fid = {f["quant"]: f for f in manifest.get("fidelity", [])}
     smoke = manifest.get("smoke", {})
-    rows = ["| file | type | size MiB | mean KL vs merged | top-1 agreement | smoke pass rate | sha256 |", "|---|---|---|---|---|---|---|"]
+    rows = ["| file | type | size MiB | fallback tensors | mean KL vs merged | top-1 agreement | smoke pass rate | sha256 |",
+            "|---|---|---|---|---|---|---|---|"]
     for f in files:
         d, s = fid.get(f["quant"], {}), smoke.get(f["quant"], {})
-        rows.append(f"| `{f['file']}` | {f['quant']} | {f['bytes'] / 2**20:.1f} | {d.get('mean_kl', '-')} | "
-                    f"{d.get('top1_agreement', '-')} | {s.get('accuracy', '-')} | `{f['sha256'][:16]}…` |")
+        fell = ", ".join(f"{k} {n}" for k, n in f.get("fallbacks", {}).items())
+        rows.append(f"| `{f['file']}` | {f['quant']} | {f['bytes'] / 2**20:.1f} | {f.get('n_fallback', '-')}{f' ({fell})' if fell else ''} | "
+                    f"{d.get('mean_kl', '-')} | {d.get('top1_agreement', '-')} | {s.get('accuracy', '-')} | `{f['sha256'][:16]}…` |")
     mem = manifest.get("memory_peaks", {})
     mem_rows = markdown_table(mem)
     first = files[0]["file"]
@@ -155,6 +177,12 @@ def readme(manifest: dict, modelfile_has_template: bool) -> str:
         "",
         "Verify: `sha256sum -c SHA256SUMS`. KL and top-1 compare each file's next-token distribution with the merged "
         "16-bit model on held-out texts (llama.cpp on Llama-3-8B, for scale: Q4_K_M KL 0.031, top-1 91.9%).",
+        *([] if not any(f.get("n_fallback") for f in files) else [
+            "",
+            "Fallback tensors: K-quants pack 256 values per block, so llama.cpp quantizes a matrix whose rows are not a "
+            "multiple of 256 to a 32-value type instead (Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0), as every published "
+            "K-quant of such a model has it; export checked each tensor has the type llama.cpp's rule gives it. These "
+            "files are a little larger than the type's name suggests."]),
         "",
         "## Run it",
         "",
@@ -169,7 +197,8 @@ def readme(manifest: dict, modelfile_has_template: bool) -> str:
         "on an H200 with llama-cpp-python 0.3.36 such a process segfaulted in the model load, a fresh one did not.",
         "",
         "The chat template is stored in each GGUF (`tokenizer.chat_template`) and used by llama.cpp's chat endpoints. "
-        + ("The Modelfile carries the same template as Ollama's Go template, checked against the Jinja rendering."
+        + ("The Modelfile carries the same template as Ollama's Go template, checked against the Jinja rendering "
+           "(a default system turn included, used when a conversation has no system message)."
            if modelfile_has_template else "The Modelfile leaves TEMPLATE to the one stored in the GGUF."),
         f"Generation stops at: {', '.join(repr(s) for s in manifest.get('stop_tokens', []))}.",
         "",

@@ -32,7 +32,9 @@ def plot_memory(out_dir: Path, budget_gib: float | None) -> Path | None:
     return out_dir / "memory.png"
 
 
-def plot_loss(losses: list[dict], out_dir: Path) -> Path:
+def plot_loss(losses: list[dict], out_dir: Path, evals: list[dict] | None = None) -> Path:
+    """Training loss per logging step (loss.jsonl) and, when there is eval data, the eval loss per eval
+    (eval_loss.jsonl) on the same axes: both are mean cross-entropy per loss-carrying token."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -41,9 +43,15 @@ def plot_loss(losses: list[dict], out_dir: Path) -> Path:
     with (out_dir / "loss.jsonl").open("w") as f:
         for e in losses:
             f.write(json.dumps({"step": e["step"], "loss": e["loss"], "learning_rate": e.get("learning_rate")}) + "\n")
+    if evals:
+        with (out_dir / "eval_loss.jsonl").open("w") as f:
+            f.writelines(json.dumps(e) + "\n" for e in evals)
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot([e["step"] for e in losses], [e["loss"] for e in losses], marker=".")
-    ax.set(xlabel="optimizer step", ylabel="training loss", title="train loss")
+    ax.plot([e["step"] for e in losses], [e["loss"] for e in losses], marker=".", label="training")
+    if evals:
+        ax.plot([e["step"] for e in evals], [e["eval_loss"] for e in evals], marker="o", label="eval (held-out)")
+        ax.legend(fontsize=8)
+    ax.set(xlabel="optimizer step", ylabel="loss per token", title="train loss" + (" and eval loss" if evals else ""))
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(out_dir / "loss.png", dpi=100)

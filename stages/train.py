@@ -20,6 +20,12 @@ settings, stages/hf_trainer.py is the Trainer, stages/launch.py the multi-proces
 Checkpoints go to <out>/checkpoints every `training.save_steps`; running again after a
 crash resumes from the last one (packed: the same micro-batches, from the seeded plan). Per-step memory goes to <out>/memory_steps.jsonl, the
 loss curve to <out>/loss.jsonl and <out>/loss.png.
+
+With eval data (data.eval_file or data.eval_split), the eval loss per loss-carrying token is
+measured every `training.eval_steps` (stages/eval_loss.py) into <out>/eval_loss.jsonl and the
+second line of loss.png; `training.early_stopping_patience` stops training after that many evals
+without a lower one, and with `training.load_best` the adapter written is the checkpoint of the
+lowest eval loss. `training.report_to` sends all of it to TensorBoard and/or MLflow (stages/tracking.py).
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-from stages import autofit, batches, data, kernels, launch, memory
+from stages import autofit, batches, data, eval_loss, kernels, launch, memory
 from stages.attention import attention_kernel
 from stages.config import RunConfig, load_config
 from stages.errors import UserError
@@ -43,6 +49,7 @@ from stages.lora_model import build_model
 from stages.memory import MemoryReport
 from stages.modelio import device, load_tokenizer
 from stages.plots import plot_loss, plot_memory
+from stages.tracking import Tracker
 
 
 @dataclass
@@ -62,6 +69,11 @@ class TrainResult:
     memory_png: Path | None = None
     fit: dict = field(default_factory=dict)  # checkpointed layers, offload, and why (autofit.FitChoice)
     batches: dict = field(default_factory=dict)  # packed or padded, tokens per micro-batch, efficiency (batches.Plan)
+    eval_curve: list = field(default_factory=list)  # each: step, eval_loss (per loss-carrying token), eval_tokens; [] without eval data
+    best_step: int | None = None          # the eval with the lowest eval loss
+    best_eval_loss: float | None = None
+    stopped_early: bool = False           # training.early_stopping_patience ended it before max_steps
+    adapter_step: int | None = None       # the step the adapter in adapter_dir is from (best_step with training.load_best)
 
 
 MAX_OOM_RETRIES = 2  # each halves the micro-batch (packed: the token budget) and doubles accumulation
@@ -97,97 +109,111 @@ def run(cfg: RunConfig, out_dir: Path, *, inject_oom_at: int | None = None) -> T
     tokenizer = load_tokenizer(cfg.model)
     tset = data.training_set(cfg, tokenizer)  # tokenized once per content (the preflight made it), memory-mapped
     train_rows, lengths = tset.rows, tset.lengths
+    held_out = eval_rows(cfg, tokenizer)
+    every = eval_loss.eval_steps(cfg, bool(held_out))  # a save_steps/eval_steps clash fails here, before the model loads
+    print(f"train: {_describe_eval(cfg, held_out, every)}")
     longest = max(lengths)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     attempt_cfg, recoveries = cfg, []
-    with memory.track("train", out_dir) as meter:
-        while True:
-            packed = kernels.packing(attempt_cfg)
-            dataset, plan = batches.dataset(attempt_cfg, train_rows, packed, world, lengths)
-            collator = (batches.PackedCollator(varlen=kernels.packed_attention(attempt_cfg) == "varlen") if packed
-                        else batches.Collator(tokenizer.pad_token_id))
-            print(f"train: {_describe(plan, attempt_cfg)}")
-            model = build_model(attempt_cfg, longest)
-            fit = choose_fit(attempt_cfg, model, train_rows, collator, out_dir, lengths)
-            hooks = [InjectOOM(inject_oom_at)] if inject_oom_at and not recoveries else []
-            if attempt_cfg.training.memory_snapshot_steps and torch.cuda.is_available() and not recoveries:
-                hooks.append(MemorySnapshot(attempt_cfg.training.memory_snapshot_steps, out_dir / "memory_snapshot.pickle"))
-            trainer = make_trainer(attempt_cfg, model, dataset, collator, out_dir, callbacks=hooks)
-            resume = last_checkpoint(out_dir / "checkpoints")
-            if resume:
-                print(f"train: resuming from {resume}")
-            t0 = time.perf_counter()
-            try:
-                trainer.train(resume_from_checkpoint=str(resume) if resume else None)
-                break
-            except torch.OutOfMemoryError as e:
-                report = postmortem(e, attempt_cfg, trainer, model, collator, out_dir / f"oom-postmortem-{len(recoveries) + 1}.json")
-                release(trainer)
-                del trainer, model
-                memory.free_gpu()
-                if attempt_cfg.training.fit == "speed":
-                    # the measured fit was too tight: checkpoint every layer before touching the batch
-                    attempt_cfg = attempt_cfg.model_copy(update={"training": attempt_cfg.training.model_copy(update={"fit": "memory"})})
-                    recoveries.append({"step": report["step"], "postmortem": report["path"], "fit": "memory"})
-                    print(f"train: CUDA OOM at step {report['step']} with fit: speed; post-mortem {report['path']}; resuming with fit: memory")
-                    continue
-                smaller = halve_micro_batch(attempt_cfg, packed, longest)
-                if len(recoveries) >= MAX_OOM_RETRIES or smaller is None:
-                    what = f"{plan.tokens_per_micro_batch}-token packed micro-batches" if packed else \
-                        f"micro-batch {attempt_cfg.training.per_device_train_batch_size}"
-                    raise TrainOOMError(
-                        f"CUDA out of memory at step {report['step']} with {what} (rows {report['batch']['ids'][:4]}); "
-                        f"{'no smaller micro-batch is possible' if smaller is None else f'{MAX_OOM_RETRIES} retries used'}. "
-                        f"Post-mortem: {report['path']}. Run the preflight with this budget to get a change that fits."
-                    ) from e
-                attempt_cfg = smaller
-                t = attempt_cfg.training
-                recoveries.append({"step": report["step"], "postmortem": report["path"], "resumed_from": str(last_checkpoint(out_dir / "checkpoints")),
-                                   "per_device_train_batch_size": t.per_device_train_batch_size, "gradient_accumulation_steps": t.gradient_accumulation_steps}
-                                  | ({"max_tokens_per_batch": t.max_tokens_per_batch} if packed else {}))
-                print(f"train: CUDA OOM at step {report['step']}; post-mortem {report['path']}; resuming with "
-                      + (f"{t.max_tokens_per_batch}-token micro-batches" if packed else f"micro-batch {t.per_device_train_batch_size}")
-                      + f" x accumulation {t.gradient_accumulation_steps}")
-            except RuntimeError as e:
-                if is_dataloader_shm_error(e):
-                    raise RuntimeError(
-                        f"not a GPU out-of-memory: a DataLoader worker ran out of shared memory (/dev/shm) ({e}); "
-                        "keep dataloader workers at 0 or give the container more /dev/shm (docker --shm-size)"
-                    ) from e
-                raise
-        wall = time.perf_counter() - t0
-        release(trainer)
-        if trainer.is_world_process_zero():  # DDP: rank 0 writes the adapter and the results
-            model.save_pretrained(out_dir / "adapter", safe_serialization=True)
-        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        # Trainer and model hold each other through cycles (callbacks, hooks, Liger's bound forward):
-        # collected here, inside the stage, or the next stage would start with this model still allocated.
-        del model
-        memory.free_gpu()
-        meter.extra["steps_this_process"] = trainer.state.global_step - (step_of(resume) if resume else 0)
-        meter.extra["oom_recoveries"] = recoveries
-        meter.extra["fit"] = memory.jsonable(fit)
-    if not trainer.is_world_process_zero():
-        return None
-    losses = [e for e in trainer.state.log_history if "loss" in e]
-    tokens = collator.tokens(trainer.micro_batches) * trainer.args.world_size  # each DDP rank trains its own share
-    result = TrainResult(
-        adapter_dir=out_dir / "adapter",
-        steps=trainer.state.global_step,
-        first_loss=losses[0]["loss"] if losses else float("nan"),
-        final_loss=losses[-1]["loss"] if losses else float("nan"),
-        train_tokens=tokens,
-        tokens_per_s=round(tokens / wall, 1) if wall > 0 else 0.0,
-        trainable_params=trainable,
-        resumed_from=str(resume) if resume else None,
-        loss_png=plot_loss(losses, out_dir),
-        memory=meter.report,
-        oom_recoveries=recoveries,
-        memory_png=plot_memory(out_dir, _budget_gib(cfg)),
-        fit=memory.jsonable(fit),
-        batches=asdict(plan),
-    )
-    done.write_text(json.dumps(memory.jsonable(result), indent=2))
+    with Tracker(cfg, out_dir) as tracker:
+        with memory.track("train", out_dir) as meter:
+            while True:
+                packed = kernels.packing(attempt_cfg)
+                dataset, plan = batches.dataset(attempt_cfg, train_rows, packed, world, lengths)
+                collator = (batches.PackedCollator(varlen=kernels.packed_attention(attempt_cfg) == "varlen") if packed
+                            else batches.Collator(tokenizer.pad_token_id))
+                print(f"train: {_describe(plan, attempt_cfg)}")
+                model = build_model(attempt_cfg, longest)
+                fit = choose_fit(attempt_cfg, model, train_rows, collator, out_dir, lengths)
+                resume = last_checkpoint(out_dir / "checkpoints")
+                hooks = [InjectOOM(inject_oom_at)] if inject_oom_at and not recoveries else []
+                if attempt_cfg.training.memory_snapshot_steps and torch.cuda.is_available() and not recoveries:
+                    hooks.append(MemorySnapshot(attempt_cfg.training.memory_snapshot_steps, out_dir / "memory_snapshot.pickle"))
+                hooks += tracker.callbacks(step_of(resume) if resume else 0)
+                trainer = make_trainer(attempt_cfg, model, dataset, collator, out_dir, callbacks=hooks,
+                                       eval_rows=held_out, memory_sinks=(tracker.memory,))
+                if resume:
+                    print(f"train: resuming from {resume}")
+                t0 = time.perf_counter()
+                try:
+                    trainer.train(resume_from_checkpoint=str(resume) if resume else None)
+                    break
+                except torch.OutOfMemoryError as e:
+                    report = postmortem(e, attempt_cfg, trainer, model, collator, out_dir / f"oom-postmortem-{len(recoveries) + 1}.json")
+                    release(trainer)
+                    del trainer, model
+                    memory.free_gpu()
+                    if attempt_cfg.training.fit == "speed":
+                        # the measured fit was too tight: checkpoint every layer before touching the batch
+                        attempt_cfg = attempt_cfg.model_copy(update={"training": attempt_cfg.training.model_copy(update={"fit": "memory"})})
+                        recoveries.append({"step": report["step"], "postmortem": report["path"], "fit": "memory"})
+                        print(f"train: CUDA OOM at step {report['step']} with fit: speed; post-mortem {report['path']}; resuming with fit: memory")
+                        continue
+                    smaller = halve_micro_batch(attempt_cfg, packed, longest)
+                    if len(recoveries) >= MAX_OOM_RETRIES or smaller is None:
+                        what = f"{plan.tokens_per_micro_batch}-token packed micro-batches" if packed else \
+                            f"micro-batch {attempt_cfg.training.per_device_train_batch_size}"
+                        raise TrainOOMError(
+                            f"CUDA out of memory at step {report['step']} with {what} (rows {report['batch']['ids'][:4]}); "
+                            f"{'no smaller micro-batch is possible' if smaller is None else f'{MAX_OOM_RETRIES} retries used'}. "
+                            f"Post-mortem: {report['path']}. Run the preflight with this budget to get a change that fits."
+                        ) from e
+                    attempt_cfg = smaller
+                    t = attempt_cfg.training
+                    recoveries.append({"step": report["step"], "postmortem": report["path"],
+                                       "resumed_from": str(last_checkpoint(out_dir / "checkpoints")),
+                                       "per_device_train_batch_size": t.per_device_train_batch_size,
+                                       "gradient_accumulation_steps": t.gradient_accumulation_steps}
+                                      | ({"max_tokens_per_batch": t.max_tokens_per_batch} if packed else {}))
+                    print(f"train: CUDA OOM at step {report['step']}{' during eval' if report['phase'] == 'eval' else ''}; post-mortem "
+                          f"{report['path']}; resuming with "
+                          + (f"{t.max_tokens_per_batch}-token micro-batches" if packed else f"micro-batch {t.per_device_train_batch_size}")
+                          + f" x accumulation {t.gradient_accumulation_steps}")
+                except RuntimeError as e:
+                    if is_dataloader_shm_error(e):
+                        raise RuntimeError(
+                            f"not a GPU out-of-memory: a DataLoader worker ran out of shared memory (/dev/shm) ({e}); "
+                            "keep dataloader workers at 0 or give the container more /dev/shm (docker --shm-size)"
+                        ) from e
+                    raise
+            wall = time.perf_counter() - t0
+            release(trainer)
+            if trainer.is_world_process_zero():  # DDP: rank 0 writes the adapter and the results
+                # with training.load_best the Trainer has loaded the best checkpoint's adapter back by now
+                model.save_pretrained(out_dir / "adapter", safe_serialization=True)
+            trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+            # Trainer and model hold each other through cycles (callbacks, hooks, Liger's bound forward):
+            # collected here, inside the stage, or the next stage would start with this model still allocated.
+            del model
+            memory.free_gpu()
+            meter.extra["steps_this_process"] = trainer.state.global_step - (step_of(resume) if resume else 0)
+            meter.extra["oom_recoveries"] = recoveries
+            meter.extra["fit"] = memory.jsonable(fit)
+        if not trainer.is_world_process_zero():
+            return None
+        losses = [e for e in trainer.state.log_history if "loss" in e]
+        evals = evaluation(trainer, cfg)
+        tokens = collator.tokens(trainer.micro_batches) * trainer.args.world_size  # each DDP rank trains its own share
+        result = TrainResult(
+            adapter_dir=out_dir / "adapter",
+            steps=trainer.state.global_step,
+            first_loss=losses[0]["loss"] if losses else float("nan"),
+            final_loss=losses[-1]["loss"] if losses else float("nan"),
+            train_tokens=tokens,
+            tokens_per_s=round(tokens / wall, 1) if wall > 0 else 0.0,
+            trainable_params=trainable,
+            resumed_from=str(resume) if resume else None,
+            loss_png=plot_loss(losses, out_dir, evals["eval_curve"]),
+            memory=meter.report,
+            oom_recoveries=recoveries,
+            memory_png=plot_memory(out_dir, _budget_gib(cfg)),
+            fit=memory.jsonable(fit),
+            batches=asdict(plan),
+            **evals,
+        )
+        done.write_text(json.dumps(memory.jsonable(result), indent=2))
+        tracker.finish(result.steps, [result.loss_png, result.memory_png, out_dir / "eval_loss.jsonl", done],
+                       {k: getattr(result, k) for k in ("final_loss", "tokens_per_s", "best_step", "best_eval_loss", "stopped_early", "adapter_step")})
     return result
 
 
@@ -198,6 +224,43 @@ def _describe(plan: batches.Plan, cfg: RunConfig) -> str:
            else f"padded, {t.per_device_train_batch_size} samples per micro-batch (widest {plan.tokens_per_micro_batch} tokens)")
     return (f"{how}; {plan.micro_batches_per_epoch} micro-batches per epoch, {plan.efficiency:.0%} of their tokens are "
             f"samples; ~{per_step:.1f} samples per optimizer step")
+
+
+def eval_rows(cfg: RunConfig, tokenizer) -> list[dict]:
+    """The eval samples tokenized exactly like the training ones; rows left with no loss-carrying
+    token (a truncated sample can lose its whole answer) are left out."""
+    samples = data.eval_samples(cfg)
+    if not samples:
+        return []
+    tok = data.tokenize(samples, tokenizer, cfg.data.max_length, cfg.data.long_sample_policy)
+    return [r for r in batches.rows(tok) if any(label != -100 for label in r["labels"][1:])]
+
+
+def _describe_eval(cfg: RunConfig, rows: list[dict], every: int | None) -> str:
+    t = cfg.training
+    if not every:
+        return ("no eval data (data.eval_file and data.eval_split are unset), so no eval loss: training.eval_steps, "
+                "early_stopping_patience and load_best have no effect")
+    stop = f"; stops after {t.early_stopping_patience} evals without a lower eval loss" if t.early_stopping_patience else ""
+    keep = "the checkpoint with the lowest eval loss" if t.load_best else "the last step's"
+    return (f"eval loss every {every} steps on {len(rows)} held-out samples "
+            f"({sum(len(r['input_ids']) for r in rows)} tokens){stop}; adapter kept: {keep}")
+
+
+def evaluation(trainer, cfg: RunConfig) -> dict:
+    """The eval curve and what it decided, from the Trainer's state (restored on resume, so the curve
+    includes the evals before the checkpoint), as TrainResult fields."""
+    state = trainer.state
+    curve = [{"step": e["step"], "eval_loss": e["eval_loss"], "eval_tokens": e.get("eval_tokens")} for e in state.log_history if "eval_loss" in e]
+    stopped = bool(curve) and bool(cfg.training.early_stopping_patience) and state.global_step < state.max_steps
+    best = Path(state.best_model_checkpoint) if state.best_model_checkpoint else None
+    adapter_step = step_of(best) if trainer.args.load_best_model_at_end and best is not None else state.global_step
+    if stopped:
+        print(f"train: stopped early at step {state.global_step}: {cfg.training.early_stopping_patience} evals without a lower eval loss")
+    if curve:
+        print(f"train: lowest eval loss {state.best_metric:.4f} at step {state.best_global_step}; adapter from step {adapter_step}")
+    return {"eval_curve": curve, "best_step": state.best_global_step if curve else None,
+            "best_eval_loss": state.best_metric if curve else None, "stopped_early": stopped, "adapter_step": adapter_step}
 
 
 def choose_fit(cfg: RunConfig, model, train_rows, collator, out_dir: Path, lengths: list[int] | None = None) -> autofit.FitChoice:
@@ -232,12 +295,14 @@ def halve_micro_batch(cfg: RunConfig, packed: bool, longest: int) -> RunConfig |
 def postmortem(err: BaseException, cfg: RunConfig, trainer, model, collator: batches.Collator, path: Path) -> dict:
     """What was in memory when it ran out: the batch, the allocator, what requires grad."""
     stats = memory.stats()
+    evaluating = getattr(trainer, "evaluating", False)
     leaked = [n for n, p in model.named_parameters() if p.requires_grad and "lora_" not in n]
     report = {
         "path": str(path),
         "error": str(err).split("\n")[0][:500],
-        "step": trainer.state.global_step + 1,
-        "batch": collator.batch(trainer.micro_batches - 1),  # the one training when memory ran out
+        "step": trainer.state.global_step + (0 if evaluating else 1),  # eval runs after its step ended
+        "phase": "eval" if evaluating else "train",
+        "batch": collator.batch(trainer.micro_batches - 1),  # the one training when memory ran out (or the last, in eval)
         "per_device_train_batch_size": cfg.training.per_device_train_batch_size,
         "gradient_accumulation_steps": cfg.training.gradient_accumulation_steps,
         "memory_gib": stats,

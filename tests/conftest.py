@@ -21,9 +21,9 @@ REPO = Path(__file__).resolve().parents[1]
 DEFAULT = REPO / "configs" / "default.yaml"
 
 
-def write_config(tmp: Path, **sections) -> Path:
-    """configs/default.yaml with absolute asset paths, outputs under `tmp`, and `sections` merged in."""
-    raw = yaml.safe_load(DEFAULT.read_text())
+def write_config(tmp: Path, base: Path = DEFAULT, **sections) -> Path:
+    """`base` (configs/default.yaml) with absolute asset paths, outputs under `tmp`, and `sections` merged in."""
+    raw = yaml.safe_load(base.read_text())
     raw["model"]["name_or_path"] = str(REPO / raw["model"]["name_or_path"])
     for key in ("train_file", "eval_file"):
         raw["data"][key] = str(REPO / raw["data"][key])

@@ -45,14 +45,23 @@ def test_converter_must_match_the_runtime(tmp_path, monkeypatch):
         llamacpp.converter_dir()
 
 
-def test_k_quant_fallback_is_reported_by_tensor_name(run_dir):
+def test_quant_types_follow_llama_cpps_rule_and_its_fallbacks(run_dir):
+    """The real file passes with no fallbacks (every width a multiple of 256); a type llama.cpp would not have
+    chosen is refused by name; the fallback llama.cpp picks for a row that is not a multiple of 256 is accepted
+    and counted."""
     info = llamacpp.read_gguf(run_dir / "export" / "model-Q4_K_M.gguf")
-    export.check_quant_types(info, "Q4_K_M", Path("model-Q4_K_M.gguf"))  # the real file passes
-    bad = copy.deepcopy(info)
-    bad["tensor_types"]["blk.0.ffn_down.weight"] = "Q5_0"
-    bad["tensor_shapes"]["blk.0.ffn_down.weight"] = [700, 256]
-    with pytest.raises(ValueError, match=r"blk.0.ffn_down.weight=Q5_0 \(row 700\).*multiple of 256"):
-        export.check_quant_types(bad, "Q4_K_M", Path("model-Q4_K_M.gguf"))
+    assert export.check_quant_types(info, "Q4_K_M", Path("model-Q4_K_M.gguf")) == {}
+    wrong = copy.deepcopy(info)
+    wrong["tensor_types"]["blk.0.attn_q.weight"] = "Q5_0"  # row 256: llama.cpp writes Q4_K here
+    with pytest.raises(ValueError, match=r"1 of \d+ tensors .*blk.0.attn_q.weight is Q5_0, expected Q4_K \(row 256\)"):
+        export.check_quant_types(wrong, "Q4_K_M", Path("model-Q4_K_M.gguf"))
+    narrow = copy.deepcopy(info)
+    narrow["tensor_shapes"]["blk.0.attn_q.weight"] = [320, 256]  # 320 = 10 x 32, not a multiple of 256
+    narrow["tensor_types"]["blk.0.attn_q.weight"] = "Q5_0"
+    assert export.check_quant_types(narrow, "Q4_K_M", Path("model-Q4_K_M.gguf")) == {"Q4_K->Q5_0": 1}
+    narrow["tensor_types"]["blk.0.attn_q.weight"] = "Q4_K"  # a K-type on such rows cannot be what llama.cpp wrote
+    with pytest.raises(ValueError, match=r"blk.0.attn_q.weight is Q4_K, expected Q5_0 \(Q4_K falls back: row 320 is not a multiple of 256\)"):
+        export.check_quant_types(narrow, "Q4_K_M", Path("model-Q4_K_M.gguf"))
     with pytest.raises(ValueError, match="general.file_type is 15, expected 16"):
         export.check_quant_types(info, "Q5_K_S", Path("x.gguf"))
 

@@ -1,0 +1,161 @@
+"""llama.cpp's convert_hf_to_gguf.py on a merged model, in a subprocess: a summary line in the run's log, all of it in a file.
+
+    convert(meter, converter_dir, merged_dir, dst, "f16") -> Converted(pre_tokenizer=None | "smollm", ...)
+
+BPE pre-tokenizers. For a byte-level BPE tokenizer the converter must name the pre-tokenizer (the regex that splits
+text before the merges) in the GGUF's tokenizer.ggml.pre. It recognizes it by the sha256 of the ids the tokenizer gives
+a probe text (get_vocab_base_pre), a table of published tokenizers; one trained for the fine-tune, or newer than the
+converter, stops it with "BPE pre-tokenizer was not recognized". When tokenizer.json's own pre_tokenizer is, field
+for field, one that llama.cpp implements (PRE_TOKENIZERS), the converter runs with that name for exactly that case
+(the `python -m stages.gguf_convert` launcher below); export then checks, on the converter's own probe text among
+others, that the GGUF tokenizes exactly as the HF tokenizer does.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import re
+import runpy
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from stages import llamacpp, memory
+
+ROOT = Path(__file__).resolve().parent.parent
+MARK = "train-and-export: BPE pre-tokenizer not in the converter's table; tokenizer.json's pre_tokenizer is llama.cpp's"
+
+# transformers 5 writes rope_type "default" for plain RoPE; the converter knows only the scaled types by name,
+# warns, and writes plain RoPE (rope_theta as the frequency base), which is what "default" means.
+CONVERTER_HARMLESS = ("Unknown RoPE type: default",)
+
+# tokenizer.json pre_tokenizer -> llama.cpp's name for the same split (src/llama-vocab.cpp): GPT-2's byte-level regex,
+# and StarCoder/SmolLM's (digits one by one first). trim_offsets changes offsets, never ids, so it is not compared.
+_BYTE_LEVEL = {"type": "ByteLevel", "add_prefix_space": False, "use_regex": True}
+PRE_TOKENIZERS = {
+    "gpt-2": _BYTE_LEVEL,
+    "smollm": {"type": "Sequence", "pretokenizers": [{"type": "Digits", "individual_digits": True}, _BYTE_LEVEL]},
+}
+
+
+@dataclass
+class Converted:
+    path: Path
+    log: Path                         # the converter's whole output (a line per tensor)
+    pre_tokenizer: str | None = None  # set when it came from tokenizer.json, not the converter's table
+
+
+def convert(meter: memory.track, converter: Path, merged_dir: Path, dst: Path, outtype: str) -> Converted:
+    """convert_hf_to_gguf.py in a subprocess (its peak RSS is measured as the stage's child)."""
+    tmp = dst.with_suffix(".gguf.partial")
+    script = converter / "convert_hf_to_gguf.py"
+    args = [str(merged_dir), "--outfile", str(tmp), "--outtype", outtype]
+    pre = pre_tokenizer(merged_dir)
+    if pre:
+        env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+        cmd = [sys.executable, "-P", "-m", "stages.gguf_convert", pre, str(script), *args]
+    else:
+        env, cmd = None, [sys.executable, str(script), *args]
+    proc = meter.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    out = proc.stdout or ""
+    log = dst.with_suffix(".convert.log")
+    log.write_text(out)
+    if llamacpp.EXPORT_VERBOSE:
+        print(out)
+    if proc.returncode != 0 or not tmp.is_file():
+        print(*out.splitlines()[-40:], sep="\n")
+        tmp.unlink(missing_ok=True)
+        unsupported = re.search(r"Model (\S+) is not supported", out)
+        if unsupported:
+            raise llamacpp.UnsupportedArchitecture(
+                f"llama.cpp's converter (llama-cpp-python {llamacpp.runtime_version()}) does not support the architecture "
+                f"{unsupported.group(1)} of {merged_dir}; nothing was exported. Use a base model of a supported family "
+                "(Llama, Qwen2, Mistral, Gemma, Phi, ...) or a llama-cpp-python release whose converter lists it"
+            )
+        if "BPE pre-tokenizer was not recognized" in out:
+            raise llamacpp.UnsupportedArchitecture(
+                f"llama.cpp's converter (llama-cpp-python {llamacpp.runtime_version()}) does not know the BPE pre-tokenizer of "
+                f"{merged_dir / 'tokenizer.json'}, and its pre_tokenizer is none of {sorted(PRE_TOKENIZERS)}; nothing was exported. "
+                "Use a llama-cpp-python release whose converter lists the base model's tokenizer"
+            )
+        raise RuntimeError(f"convert_hf_to_gguf.py failed (exit {proc.returncode}) on {merged_dir}; the end of its output is above, "
+                           f"all of it in {log}")
+    tmp.rename(dst)
+    used = pre if MARK in out else None
+    notable = [line for line in out.splitlines()
+               if ("WARNING" in line or "ERROR" in line) and not any(h in line for h in CONVERTER_HARMLESS)]
+    print(summary(merged_dir, llamacpp.read_gguf(dst), dst, log, used), *notable, sep="\n")
+    return Converted(dst, log, used)
+
+
+def summary(merged_dir: Path, info: dict, dst: Path, log: Path, pre: str | None) -> str:
+    """One line for the run's log: what came out, by tensor type, and where the per-tensor lines are."""
+    f = info["fields"]
+    types = ", ".join(f"{t} {n}" for t, n in llamacpp.type_counts(info).items())
+    vocab = f"{f.get('tokenizer.ggml.model')}/{f.get('tokenizer.ggml.pre', '-')}" + (" (from tokenizer.json)" if pre else "")
+    return (f"export: converted {merged_dir.name} -> {dst.name}: {len(info['tensor_types'])} tensors ({types}), "
+            f"{dst.stat().st_size / 2**20:.1f} MiB, vocab {f.get('tokenizer.ggml.tokens', {}).get('array_len')} {vocab}; "
+            f"per-tensor log {log.name}")
+
+
+def pre_tokenizer(model_dir: Path) -> str | None:
+    """llama.cpp's name for the pre-tokenizer in tokenizer.json, if it is one llama.cpp implements and nothing else
+    (no normalizer, merges applied as trained) changes the ids; else None."""
+    path = Path(model_dir) / "tokenizer.json"
+    if not path.is_file():
+        return None
+    try:
+        tok = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, OSError):
+        return None  # the converter reports a broken tokenizer in its own words
+    model = tok.get("model") or {}
+    if tok.get("normalizer") or model.get("type") != "BPE" or model.get("ignore_merges") or (tok.get("decoder") or {}).get("type") != "ByteLevel":
+        return None
+    got = _without(tok.get("pre_tokenizer"), "trim_offsets")
+    return next((name for name, want in PRE_TOKENIZERS.items() if got == want), None)
+
+
+def probe_text(converter: Path) -> str | None:
+    """The text the converter hashes to recognize a tokenizer (chktxt in get_vocab_base_pre): emoji, CJK, digits,
+    runs of whitespace and apostrophes, where pre-tokenizers differ."""
+    tree = ast.parse((converter / "conversion" / "base.py").read_text(encoding="utf-8"))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "chktxt" for t in node.targets):
+            return ast.literal_eval(node.value)
+    return None
+
+
+def _without(obj, key: str):
+    if isinstance(obj, dict):
+        return {k: _without(v, key) for k, v in obj.items() if k != key}
+    if isinstance(obj, list):
+        return [_without(v, key) for v in obj]
+    return obj
+
+
+def _launch(pre: str, script: Path, args: list[str]) -> None:
+    """Run the converter script as its own __main__, naming `pre` only where its table does not know the tokenizer."""
+    sys.argv = [str(script), *args]
+    sys.path[:0] = [str(script.parent)]  # what running the script directly puts first
+    if "NO_LOCAL_GGUF" not in os.environ:
+        sys.path.insert(1, str(script.parent / "gguf-py"))  # the converter's own gguf-py, as the script does
+    from conversion.base import TextModel
+
+    recognize = TextModel.get_vocab_base_pre
+
+    def get_vocab_base_pre(self, tokenizer) -> str:
+        try:
+            return recognize(self, tokenizer)
+        except NotImplementedError:
+            print(f"{MARK} {pre!r}; writing tokenizer.ggml.pre={pre}", flush=True)
+            return pre
+
+    TextModel.get_vocab_base_pre = get_vocab_base_pre
+    runpy.run_path(str(script), run_name="__main__")
+
+
+if __name__ == "__main__":
+    _launch(sys.argv[1], Path(sys.argv[2]), sys.argv[3:])

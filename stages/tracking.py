@@ -1,0 +1,194 @@
+"""Where training reports besides its own files: TensorBoard and MLflow (`training.report_to`).
+
+Each gets the Trainer's own integration (transformers' TensorBoardCallback and MLflowCallback: loss,
+learning rate, grad norm, eval loss, the Trainer's arguments) plus what only this stage knows: the
+resolved config flattened (`training.learning_rate`, ...), memory at every optimizer step (the
+figures of memory_steps.jsonl, as `memory/<key>`), and at the end the loss and memory plots, the
+eval summary (best step, best eval loss, stopped early) and train_result.json.
+
+TensorBoard writes to <out>/tensorboard. A resumed run (kill -9, OOM recovery) purges what was
+logged after its checkpoint (SummaryWriter's purge_step), so no stretch of a curve is drawn twice.
+
+MLflow writes to MLFLOW_TRACKING_URI when it is set; else to a SQLite store <out>/mlflow.db with
+artifacts under <out>/mlflow-artifacts (MLflow 3.17 refuses its old file store, ./mlruns, unless
+MLFLOW_ALLOW_FILE_STORE=true: "maintenance mode"). The experiment is MLFLOW_EXPERIMENT_NAME, else
+handoff.model_name; the run is named after the run id. The run id is kept in <out>/mlflow_run.json,
+so a training resumed after a crash continues its run rather than opening a second one (metrics of
+the steps replayed after the checkpoint are then logged twice; MLflow keeps both). MLFLOW_RUN_ID and
+MLFLOW_NESTED_RUN are not used: the stage opens its own run.
+
+Only the process of rank 0 reports.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from stages.config import RunConfig
+
+
+class Tracker:
+    """The trackers of one training stage; a context manager that ends the MLflow run on exit
+    (FAILED on an exception) and leaves MLflow's process-wide tracking URI as it found it.
+
+        with Tracker(cfg, out_dir) as tracker:
+            trainer = make_trainer(..., callbacks=tracker.callbacks(resume_step), memory_sinks=(tracker.memory,))
+            ...
+            tracker.finish(step, files, summary)
+    """
+
+    def __init__(self, cfg: RunConfig, out_dir: Path) -> None:
+        self.cfg, self.out_dir = cfg, Path(out_dir)
+        rank0 = int(os.environ.get("RANK", "0")) == 0
+        self.tensorboard = rank0 and "tensorboard" in cfg.training.report_to
+        self.mlflow = rank0 and "mlflow" in cfg.training.report_to
+        self.writer = None         # this attempt's SummaryWriter
+        self.trainer_args = None   # the TrainingArguments the MLflow run's params came from
+        self.run_id: str | None = None
+
+    # --- lifecycle -------------------------------------------------------------------------
+
+    def __enter__(self) -> Tracker:
+        if self.mlflow:
+            self._start_mlflow()
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+        if self.mlflow:
+            import mlflow
+
+            if mlflow.active_run() is not None:
+                mlflow.end_run(status="FINISHED" if exc_type is None else "KILLED" if exc_type is KeyboardInterrupt else "FAILED")
+            mlflow.set_tracking_uri(self._uri_before)  # None also clears the MLFLOW_TRACKING_URI it exported
+
+    def callbacks(self, resume_step: int) -> list:
+        """Fresh Trainer callbacks for one attempt (a new Trainer each: resume, OOM recovery)."""
+        out = []
+        if self.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+            from transformers.integrations import TensorBoardCallback
+
+            if self.writer is not None:  # the failed attempt's (the callback closes it only when training ends)
+                self.writer.close()
+            # what was logged past the checkpoint is dropped from the curves: the steps after it run again
+            self.writer = SummaryWriter(str(self.out_dir / "tensorboard"), purge_step=resume_step + 1 if resume_step else None)
+            self.writer.add_text("config", f"```\n{self.cfg.to_yaml()}\n```", resume_step)
+            out.append(TensorBoardCallback(tb_writer=self.writer))
+        if self.mlflow:
+            out.append(_mlflow_callback(self))
+        return out
+
+    # --- what the stage logs ---------------------------------------------------------------
+
+    def memory(self, row: dict) -> None:
+        """One memory_steps.jsonl row (MemoryCallback's sink)."""
+        figures = {f"memory/{k}": v for k, v in row.items() if k not in ("step", "time")}
+        if self.writer is not None:
+            for k, v in figures.items():
+                self.writer.add_scalar(k, v, row["step"])
+        if self.mlflow:
+            import mlflow
+
+            mlflow.log_metrics(figures, step=row["step"], synchronous=False)
+
+    def finish(self, step: int, files: list[Path], summary: dict) -> None:
+        """At the end: the plots as images, `files` as artifacts, `summary` (numbers, flags) as metrics and tags."""
+        numbers = {k: float(v) for k, v in summary.items() if isinstance(v, (int, float)) and not isinstance(v, bool) and v is not None}
+        flags = {k: str(v) for k, v in summary.items() if k not in numbers}
+        pngs = [f for f in files if f is not None and f.suffix == ".png" and f.is_file()]
+        if self.tensorboard:
+            from matplotlib.image import imread
+            from torch.utils.tensorboard import SummaryWriter
+
+            with SummaryWriter(str(self.out_dir / "tensorboard")) as w:  # the attempt's writer is closed by now
+                for png in pngs:
+                    w.add_image(f"plots/{png.stem}", imread(png)[..., :3], step, dataformats="HWC")
+                for k, v in numbers.items():
+                    w.add_scalar(f"summary/{k}", v, step)
+                for k, v in flags.items():
+                    w.add_text(f"summary/{k}", v, step)
+        if self.mlflow:
+            import mlflow
+
+            mlflow.log_metrics({f"summary/{k}": v for k, v in numbers.items()}, step=step)
+            mlflow.set_tags({f"summary.{k}": v for k, v in flags.items()})
+            for f in files:
+                if f is not None and f.is_file():
+                    mlflow.log_artifact(str(f), artifact_path="plots" if f.suffix == ".png" else None)
+
+    # --- MLflow run ------------------------------------------------------------------------
+
+    def _start_mlflow(self) -> None:
+        import mlflow
+
+        self._uri_before = os.environ.get("MLFLOW_TRACKING_URI")
+        uri = self._uri_before or f"sqlite:///{(self.out_dir / 'mlflow.db').resolve()}"
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        mlflow.set_tracking_uri(uri)
+        params = flatten(json.loads(self.cfg.model_dump_json()))
+        client = mlflow.MlflowClient(uri)
+        saved = self.out_dir / "mlflow_run.json"
+        run_id = None
+        if saved.is_file():
+            before = json.loads(saved.read_text())
+            run = _get_run(client, before["run_id"]) if before.get("tracking_uri") == uri else None
+            # a changed config cannot continue the run: MLflow refuses to change a logged param
+            if run is not None and all(run.data.params.get(k, v) == v for k, v in params.items()):
+                run_id = run.info.run_id
+        if run_id is None:
+            name = os.environ.get("MLFLOW_EXPERIMENT_NAME") or self.cfg.handoff.model_name
+            experiment = client.get_experiment_by_name(name)
+            if experiment is None:
+                local = None if self._uri_before else (self.out_dir / "mlflow-artifacts").resolve().as_uri()
+                experiment_id = client.create_experiment(name, artifact_location=local)
+            else:
+                experiment_id = experiment.experiment_id
+            run = mlflow.start_run(experiment_id=experiment_id, run_name=self.out_dir.resolve().parent.name,
+                                   tags={"train_dir": str(self.out_dir.resolve()), "config_fingerprint": self.cfg.fingerprint()})
+            mlflow.log_params(params)
+        else:
+            run = mlflow.start_run(run_id=run_id)
+        self.run_id = run.info.run_id
+        saved.write_text(json.dumps({"tracking_uri": uri, "run_id": self.run_id}))
+        print(f"train: MLflow run {self.run_id} at {uri}")
+
+
+def flatten(d: dict, prefix: str = "") -> dict[str, str]:
+    """{"training": {"learning_rate": 0.002}} -> {"training.learning_rate": "0.002"} (lists as JSON)."""
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out |= flatten(v, f"{prefix}{k}.")
+        else:
+            out[f"{prefix}{k}"] = json.dumps(v) if isinstance(v, (list, type(None))) else str(v)
+    return out
+
+
+def _get_run(client, run_id: str):
+    from mlflow.exceptions import MlflowException
+
+    try:
+        return client.get_run(run_id)
+    except MlflowException:  # deleted, or another store
+        return None
+
+
+def _mlflow_callback(tracker: Tracker):
+    from transformers.integrations import MLflowCallback
+
+    class StageMLflowCallback(MLflowCallback):
+        """transformers' MLflow callback, logging into the run the stage opened (so it neither
+        starts nor ends one). Every attempt logs the first attempt's TrainingArguments: an OOM
+        recovery trains with another micro-batch, and MLflow refuses to change a logged param
+        (the change is in train_result.json's oom_recoveries)."""
+
+        def setup(self, args, state, model):
+            tracker.trainer_args = tracker.trainer_args or args
+            super().setup(tracker.trainer_args, state, model)
+
+    return StageMLflowCallback()
