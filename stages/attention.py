@@ -36,6 +36,19 @@ def attention_kernel(model) -> str:
     return "sdpa: math (quadratic memory)"
 
 
+def avoid_cudnn_sdpa() -> None:
+    """SDPA picks flash (then memory-efficient) attention, not cuDNN's, on CUDA.
+
+    torch puts cuDNN attention first on Hopper, and cuDNN builds an execution plan for every new
+    sequence length: with dynamic padding nearly every step has a new width. In the profile of a
+    2 x ~300-token step on R7 (bench/results/packing/packing_r7_qlora_run2.json) cuDNN attention's
+    host side took 144 of its ~500 ms. A process-wide switch, not an `sdpa_kernel` context, for the
+    reason attention_kernel() gives.
+    """
+    if torch.cuda.is_available():
+        torch.backends.cuda.enable_cudnn_sdp(False)
+
+
 VARLEN = "tae_varlen"  # the name the varlen attention is registered under in transformers
 
 
@@ -76,19 +89,29 @@ def varlen_attention(module, query, key, value, attention_mask, scaling=None, dr
                      cu_seq_lens_k=None, max_length_q=None, max_length_k=None, **kwargs):
     """transformers' attention-function signature over one packed row: query [1, heads, tokens, dim],
     key/value [1, kv_heads, tokens, dim]; returns [1, tokens, heads, dim] and no weights."""
-    if cu_seq_lens_q is None:  # one unpacked row (no padding, or a mask would have come): a single sample
+    if cu_seq_lens_q is None:  # no boundaries from the collator: one row, its samples told apart by restarting positions
         if query.shape[0] != 1 or attention_mask is not None:
             raise RuntimeError("varlen attention got a padded batch: it runs on packed micro-batches (stages.packing.collate "
                                "with varlen=True) or single rows; set training.packed_attention: mask")
-        t = query.shape[2]
-        cu_seq_lens_q = cu_seq_lens_k = torch.tensor([0, t], dtype=torch.int32, device=query.device)
-        max_length_q = max_length_k = t
+        cu_seq_lens_q = cu_seq_lens_k = _bounds_from_positions(kwargs.get("position_ids"), query.shape[2], query.device)
+        max_length_q = max_length_k = int((cu_seq_lens_q[1:] - cu_seq_lens_q[:-1]).max())
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [tokens, heads, dim]
     if device().type == "cuda":
         out = _flash_varlen(q, k, v, cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k, scaling)
     else:
         out = _per_sample(q, k, v, cu_seq_lens_q, scaling)
     return out.unsqueeze(0), None
+
+
+def _bounds_from_positions(position_ids, tokens: int, dev) -> torch.Tensor:
+    """cu_seq_lens of one row from its position ids (a sample starts where they restart at 0), as
+    transformers' flash-attention path reads a flattened batch; no position ids: one sample."""
+    starts = [0]
+    if position_ids is not None and position_ids.shape[0] == 1:
+        starts = (position_ids[0] == 0).nonzero().flatten().tolist() or [0]
+        if starts[0] != 0:
+            starts.insert(0, 0)
+    return torch.tensor([*starts, tokens], dtype=torch.int32, device=dev)
 
 
 def _flash_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale):

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
 from stages.errors import UserError
 
@@ -38,6 +38,15 @@ ALIASES = {
 
 class ConfigError(UserError, ValueError):
     """A config that cannot run; the message lists every problem and its fix."""
+
+
+def _yaml_switch(value: Any) -> Any:
+    """YAML 1.1 reads a bare `on`/`off` (also `yes`/`no`) as a boolean: take it as the word the user wrote."""
+    return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
+
+
+# A setting that is `auto`, `on` or `off`, however YAML typed it.
+Switch = Annotated[Literal["auto", "on", "off"], BeforeValidator(_yaml_switch)]
 
 
 class Section(BaseModel):
@@ -147,21 +156,21 @@ class TrainingSection(Section):
         "(smallest footprint). speed: measured at start, as few layers checkpointed as fit preflight.gpu_memory_gib "
         "less the margin (fastest that fits); the choice and its measurements go to train/fit.json."
     )
-    offload_activations: Literal["auto", "on", "off"] = Field(
+    offload_activations: Switch = Field(
         "auto", description="Keep tensors saved for backward (the checkpointed layers' inputs) in pinned CPU memory, "
         "copied on a side stream (CUDA only). auto: on with fit: memory and checkpointing on a GPU."
     )
-    offload_embeddings: Literal["auto", "on", "off"] = Field(
+    offload_embeddings: Switch = Field(
         "auto", description="Keep the frozen input embedding table in pinned CPU memory and gather rows there "
         "(1.02 GiB for a 152k x 3584 table; CUDA, untied embeddings only). auto: on with fit: memory on a GPU."
     )
-    tiled_mlp: Literal["auto", "on", "off"] = Field(
+    tiled_mlp: Switch = Field(
         "auto", description="Run each MLP over sequence tiles, recomputed in backward (Liger's TiledMLP, CUDA): the "
         "tokens x intermediate activations stop growing with context, at the cost of one more MLP forward. "
         "auto: on when the widest micro-batch of the data holds >= 32768 tokens (packed: max_tokens_per_batch; padded: "
         "micro-batch x the longest sample after data.long_sample_policy)."
     )
-    fused_kernels: Literal["auto", "on", "off"] = Field(
+    fused_kernels: Switch = Field(
         "auto", description="Liger Triton kernels for RMSNorm, SwiGLU and RoPE (CUDA): less activation memory, faster "
         "steps. auto: on with a CUDA GPU and liger-kernel installed."
     )
@@ -174,12 +183,12 @@ class TrainingSection(Section):
         "auto: paged_adamw_8bit with fit: memory on a GPU (bitsandbytes installed), adamw_torch_fused with fit: speed, "
         "adamw_torch on CPU (measured: bench/results/train_r7.json)."
     )
-    packing: Literal["auto", "on", "off"] = Field(
+    packing: Switch = Field(
         "auto", description="on: micro-batches are samples laid end to end up to max_tokens_per_batch tokens, no padding, "
         "no token attending across samples (position ids restart per sample); the loss is normalised per loss-carrying token "
         "of the optimizer step, as unpacked. off: per_device_train_batch_size samples padded to the longest. auto: on where "
-        "measured at least as fast: CPU (bench/results/packing_cpu.json); off on CUDA until the H200 bench "
-        "(bench/packing_r7.py) has run, so set `on` there yourself."
+        "measured faster: CPU (bench/results/packing_cpu.json) and CUDA GPUs with torch's varlen flash kernel (torch >= 2.10, "
+        "Ampere or newer; bench/results/packing/: 3.2-3.7x peft + Liger on long-tailed data, less memory); off elsewhere."
     )
     max_tokens_per_batch: int | None = Field(
         None, gt=0, description="Packing: tokens per micro-batch (at least the longest sample). null: per_device_train_batch_size "

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from stages import kernels
-from stages.attention import use_packed_attention
+from stages.attention import avoid_cudnn_sdpa, use_packed_attention
 from stages.config import ConfigError, RunConfig
 from stages.modelio import load_base
 from stages.offload import embeddings_to_host
@@ -24,6 +24,7 @@ def build_model(cfg: RunConfig, longest: int | None = None):
     from transformers import set_seed
 
     model = load_base(cfg.model, cfg.quantization)
+    avoid_cudnn_sdpa()
     if kernels.packing(cfg):
         use_packed_attention(model, kernels.packed_attention(cfg))
     kernels.use_liger(model, loss=kernels.cross_entropy(cfg) == "chunked", kernels=kernels.fused_kernels(cfg),

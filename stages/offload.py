@@ -15,6 +15,8 @@ come back in reverse order). Parameters and small tensors stay where they are.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 MIN_BYTES = 1 << 20  # below this a copy costs more than it saves
@@ -32,10 +34,12 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         self.param_ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
         self.host: list = []      # index -> (cpu tensor, device, copy-done event), until reset()
         self.fetched: dict = {}   # index -> (gpu tensor, event), prefetched in backward
+        self.pool = PinnedPool()
         self.offloaded_bytes = 0
         super().__init__(self._pack, self._unpack)
 
     def reset(self) -> None:
+        self.pool.release()
         self.host.clear()
         self.fetched.clear()
 
@@ -46,7 +50,7 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         compute = torch.cuda.current_stream()
         self.stream.wait_stream(compute)  # t is written by work queued on compute
         with torch.cuda.stream(self.stream):
-            cpu = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            cpu = self.pool.take(t.shape, t.dtype)
             cpu.copy_(t, non_blocking=True)
             done = torch.cuda.Event()
             done.record()
@@ -80,6 +84,37 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         if j >= 0 and j not in self.fetched:
             self.fetched[j] = self._fetch(j)
         return gpu
+
+
+class PinnedPool:
+    """Pinned host buffers kept across micro-batches, in power-of-two size classes.
+
+    torch's pinned allocator gave the offload a cudaHostAlloc per saved tensor at every step on
+    R7 (30 calls, 50 ms of host time in a ~500 ms step with dynamic padding, bench/results/packing/
+    packing_r7_qlora_run2.json). A buffer handed out since the last release() is reused only after
+    it: every copy into or out of it runs on the offload's one side stream, in order, so the next
+    micro-batch's device-to-host copy cannot overtake the last host-to-device copy it served.
+    """
+
+    def __init__(self) -> None:
+        self.free: dict[int, list[torch.Tensor]] = {}
+        self.used: list[torch.Tensor] = []
+
+    def take(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        nbytes = math.prod(shape) * dtype.itemsize
+        size = 1 << max(nbytes - 1, 1).bit_length()
+        bucket = self.free.get(size)
+        buf = bucket.pop() if bucket else torch.empty(size, dtype=torch.uint8, pin_memory=True)
+        self.used.append(buf)
+        return buf[:nbytes].view(dtype).view(shape)
+
+    def release(self) -> None:
+        for buf in self.used:
+            self.free.setdefault(buf.numel(), []).append(buf)
+        self.used.clear()
+
+    def held_bytes(self) -> int:
+        return sum(b.numel() for bucket in self.free.values() for b in bucket) + sum(b.numel() for b in self.used)
 
 
 class HostEmbedding(torch.nn.Module):

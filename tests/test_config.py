@@ -92,3 +92,14 @@ def test_example_configs_are_schema_valid():
 
     for path in (REPO / "configs").glob("*.yaml"):
         RunConfig.model_validate(yaml.safe_load(path.read_text()))  # inputs may live elsewhere
+
+
+def test_bare_on_and_off_in_yaml_mean_the_words(tmp_path):
+    """YAML 1.1 reads `packing: off` as false: the switch settings take it as `off`, as written."""
+    path = write_config(tmp_path)
+    text = path.read_text().replace("packing: auto", "packing: off\n  tiled_mlp: on")
+    assert "packing: off" in text
+    path.write_text(text)
+    t = load_config(path).training
+    assert (t.packing, t.tiled_mlp) == ("off", "on")
+    assert load_config(write_config(tmp_path), ["training.offload_embeddings=off"]).training.offload_embeddings == "off"

@@ -98,10 +98,10 @@ def test_one_optimizer_step_packed_equals_the_same_step_padded(tmp_path):
     the same samples in the same step give the same update (plain SGD, where a scale error would show)."""
     rows = None
     adapters = {}
-    for mode in ("padded", "packed"):
+    for mode in ("padded", "packed", "positions-only"):
         (tmp_path / mode).mkdir()
         cfg = load_config(write_config(tmp_path / mode, training={
-            "packing": "on" if mode == "packed" else "off", "optim": "sgd", "learning_rate": 0.5, "warmup_steps": 0,
+            "packing": "off" if mode == "padded" else "on", "optim": "sgd", "learning_rate": 0.5, "warmup_steps": 0,
             "per_device_train_batch_size": 2, "gradient_accumulation_steps": 2, "max_steps": 1, "max_grad_norm": 0.0,
             "train_sampling_strategy": "sequential"}))
         rows = rows or _rows(cfg, 4)
@@ -110,16 +110,21 @@ def test_one_optimizer_step_packed_equals_the_same_step_padded(tmp_path):
         if mode == "padded":
             train_data, collator = rows, batches.Collator(0)
         else:
-            train_data, collator = packing.PackedRows(rows, [[0, 1], [2, 3]]), batches.PackedCollator(varlen=False)
+            # the collator the model's packed attention reads (train.py pairs them the same way); positions-only:
+            # no cu_seq_lens, as transformers' DataCollatorWithFlattening gives, so varlen reads the restarting positions
+            collator = batches.PackedCollator(varlen=mode == "packed" and kernels.packed_attention(cfg) == "varlen")
+            train_data = packing.PackedRows(rows, [[0, 1], [2, 3]])
         trainer = hf_trainer.make_trainer(cfg, model, train_data, collator, tmp_path / mode / "out", save_strategy="no", disable_tqdm=True)
         trainer.train()
         adapters[mode] = ({n: p.detach().clone() for n, p in model.named_parameters() if "lora_" in n},
                           trainer.state.log_history[0]["loss"])
         hf_trainer.release(trainer)
-    (pad, pad_loss), (pack, pack_loss) = adapters["padded"], adapters["packed"]
-    assert pad_loss == pytest.approx(pack_loss, rel=1e-5)
-    for name, w in pad.items():
-        torch.testing.assert_close(pack[name], w, atol=1e-6, rtol=1e-4)
+    pad, pad_loss = adapters["padded"]
+    for mode in ("packed", "positions-only"):
+        pack, pack_loss = adapters[mode]
+        assert pad_loss == pytest.approx(pack_loss, rel=1e-5), mode
+        for name, w in pad.items():
+            torch.testing.assert_close(pack[name], w, atol=1e-6, rtol=1e-4)
     assert all(w.abs().sum() > 0 for n, w in pad.items() if "lora_B" in n)  # B starts at zero: the step moved it
 
 
@@ -153,3 +158,17 @@ def test_preflight_estimates_a_packed_step_as_a_full_budget_of_the_longest_sampl
     # the worst packed rows: the longest samples first, topped up to exactly the budget
     assert packing.worst_rows([30, 20, 20, 5], 64) == [30, 20, 5, 9]
     assert sum(packing.worst_rows(r.lengths.longest, 512)) == 512
+
+
+def test_packing_is_on_by_default_where_varlen_attention_runs():
+    """auto packs on CPU and on a GPU with torch's varlen kernel (measured faster on both), never on a GPU without it,
+    where the only packed attention left would be a tokens x tokens mask."""
+    from tests.conftest import DEFAULT
+
+    c = load_config(DEFAULT, ["training.max_tokens_per_batch=null", "training.per_device_train_batch_size=4"])
+    gpu = kernels.resolve_auto(c, on_gpu=True)
+    assert gpu["packing"] and gpu["packed_attention"] == "varlen" and gpu["widest_micro_batch"] == 4 * c.data.max_length
+    assert not kernels.resolve_auto(c, on_gpu=True, varlen=False)["packing"]
+    assert kernels.resolve_auto(c, on_gpu=False, varlen=False)["packing"]  # CPU: the per-sample loop needs no kernel
+    off = load_config(DEFAULT, ["training.packing=off"])
+    assert not kernels.resolve_auto(off, on_gpu=True)["packing"]

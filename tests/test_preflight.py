@@ -22,7 +22,8 @@ def cfg(**sections) -> RunConfig:
            "lora": {"r": 2, "target_modules": ["q_proj", "v_proj"], "lora_dropout": 0.0},
            "training": {"per_device_train_batch_size": 1, "gradient_checkpointing": True, "cross_entropy": "plain",
                         # the recipe the estimate's coefficients were fitted on (bench/preflight_grid.py)
-                        "offload_activations": "off", "offload_embeddings": "off", "tiled_mlp": "off", "optim": "adamw_torch"}}
+                        "offload_activations": "off", "offload_embeddings": "off", "tiled_mlp": "off", "optim": "adamw_torch",
+                        "packing": "off"}}
     for k, v in sections.items():
         raw[k] = raw.get(k, {}) | v
     return RunConfig.model_validate(raw)
