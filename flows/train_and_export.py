@@ -26,7 +26,7 @@ from prefect.runtime import flow_run
 
 from flows import reaper
 from flows.gpu_slot import gpu_slot
-from stages import data, errors, export, handoff, llamacpp, memory, merge, preflight, smoke, train
+from stages import data, errors, export, handoff, llamacpp, memory, merge, preflight, smoke, tracking, train
 from stages.config import load_config
 from stages.memory import MemoryReport
 from stages.paths import RunPaths, new_run_id
@@ -169,6 +169,7 @@ def train_and_export(config: str = "configs/default.yaml", overrides: list[str] 
         create_table_artifact(
             [{"quant": f.quant, "accuracy": f.accuracy, "passed": f.passed, "prompts": f.n_prompts, "gen_tok_s": f.gen_tokens_per_s,
               "n_gpu_layers": f.plan.n_gpu_layers} for f in sm.files], key="smoke-results", description="llama.cpp smoke test per GGUF")
+        tracking.log_export(cfg, paths.stage("train"), drift, {f.quant: {"accuracy": f.accuracy} for f in sm.files})
         # 6. Atomic publish of the bundle.
         reports = {"preflight": pre.memory, "train": tr.memory, "merge": mg.memory, "export": ex.memory, "smoke": sm.memory}
         ho = handoff_task(

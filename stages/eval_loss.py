@@ -36,7 +36,7 @@ from collections.abc import Callable
 
 import torch
 
-from stages import batches, packing
+from stages import batches, data, packing
 from stages.config import ConfigError, RunConfig
 
 
@@ -59,6 +59,16 @@ def eval_steps(cfg: RunConfig, has_eval: bool) -> int | None:
             f"training.save_steps to a multiple of eval_steps (e.g. {near}), or training.load_best: false"
         )
     return every
+
+
+def rows(cfg: RunConfig, tokenizer) -> list[dict]:
+    """The eval samples tokenized exactly like the training ones; rows left with no loss-carrying
+    token (a truncated sample can lose its whole answer) are left out."""
+    samples = data.eval_samples(cfg)
+    if not samples:
+        return []
+    tok = data.tokenize(samples, tokenizer, cfg.data.max_length, cfg.data.long_sample_policy)
+    return [r for r in batches.rows(tok) if any(label != -100 for label in r["labels"][1:])]
 
 
 def micro_batches(cfg: RunConfig, rows: list[dict], packed: bool) -> list[list[dict]]:

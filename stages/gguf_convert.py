@@ -85,8 +85,12 @@ def convert(meter: memory.track, converter: Path, merged_dir: Path, dst: Path, o
                            f"all of it in {log}")
     tmp.rename(dst)
     used = pre if MARK in out else None
+    # With the pre-tokenizer named from tokenizer.json (and proven on the probe text later), the converter's banner
+    # about an unrecognised BPE pre-tokenizer is handled: the summary line says "(from tokenizer.json)" instead.
+    handled = CONVERTER_HARMLESS + (("WARNING:hf-to-gguf:**",) if used else ())
     notable = [line for line in out.splitlines()
-               if ("WARNING" in line or "ERROR" in line) and not any(h in line for h in CONVERTER_HARMLESS)]
+               if ("WARNING" in line or "ERROR" in line) and not any(h in line for h in handled)
+               and line.strip() != "WARNING:hf-to-gguf:"]
     print(summary(merged_dir, llamacpp.read_gguf(dst), dst, log, used), *notable, sep="\n")
     return Converted(dst, log, used)
 

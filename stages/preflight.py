@@ -28,7 +28,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from stages import data, memory, packing
+from stages import data, eval_loss, memory, packing
 from stages.config import ConfigError, RunConfig, load_config
 from stages.errors import UserError
 from stages.kernels import resolve_auto
@@ -101,6 +101,7 @@ def run(cfg: RunConfig, out_dir: Path, gpu_memory_gib: float | None = None) -> P
         # The CUDA context (driver, kernels) lives outside torch's allocator, which is what
         # the estimate and the probe measure; on a GPU it comes off the budget first.
         usable = (budget - (CUDA_CONTEXT_GIB if on_gpu else 0.0)) * (1 - cfg.preflight.margin)
+        widen_for_eval(cfg, tokenizer, lengths, resolve_auto(cfg, on_gpu=on_gpu, longest=lengths.max)["packing"])
         settings = resolve_auto(cfg, on_gpu=on_gpu, longest=lengths.max)
         lengths.worst_batch_tokens, lengths.packed = settings["widest_micro_batch"], settings["packing"]
         if settings["packing"] and lengths.max > cfg.token_budget():
@@ -226,6 +227,26 @@ def scan_lengths(cfg: RunConfig, tokenizer=None) -> LengthScan:
     top = ls[::-1][:MAX_LONGEST]
     return LengthScan(len(ls), pct(0.5), pct(0.95), pct(0.99), ls[-1], tset.rows[longest]["id"], tset.truncated, tset.dropped,
                       worst_batch_tokens=cfg.training.per_device_train_batch_size * ls[-1], longest=top)
+
+
+def widen_for_eval(cfg: RunConfig, tokenizer, lengths: LengthScan, packed: bool) -> None:
+    """The eval steps' share of the worst step. Eval runs micro-batches shaped like training's, forward
+    only: no grads, no saved activations, and the fused loss (no logits) where training has it, so a
+    training step of the same width bounds it (eval_loss.measure). Padded, an eval sample longer than
+    every training one makes a wider micro-batch than training's own: the worst step is then sized by
+    it. Packed, every eval micro-batch fits the same token budget, which must hold its longest sample."""
+    rows = eval_loss.rows(cfg, tokenizer) if eval_loss.eval_steps(cfg, True) else []
+    if not rows:
+        return
+    i = max(range(len(rows)), key=lambda k: len(rows[k]["input_ids"]))
+    longest = len(rows[i]["input_ids"])
+    if longest <= lengths.max:
+        return
+    if packed and longest > cfg.token_budget():
+        raise ConfigError(f"training.max_tokens_per_batch is {cfg.token_budget()}, shorter than the longest eval sample "
+                          f"({longest} tokens, {rows[i]['id']}); set it to at least {longest}")
+    if not packed:
+        lengths.max, lengths.longest_id = longest, f"{rows[i]['id']} (eval)"
 
 
 MAX_LONGEST = 4096  # lengths kept for building the packed worst micro-batch (a budget of 4096 x 1-token samples)

@@ -158,6 +158,37 @@ class Tracker:
         print(f"train: MLflow run {self.run_id} at {uri}")
 
 
+def log_export(cfg: RunConfig, train_dir: Path, fidelity: list[dict], smoke: dict[str, dict]) -> None:
+    """After export and smoke, into the training run's trackers: per GGUF its mean KL and top-1 agreement
+    against the merged model and its smoke pass rate, as metrics, and the fidelity table as text.
+
+    The MLflow run is the one training opened (<train_dir>/mlflow_run.json), ended by then; the client
+    logs into it without reopening it. Nothing happens for a tracker training did not report to.
+    """
+    metrics = {f"export/{f['quant']}/{k}": float(f[k]) for f in fidelity for k in ("mean_kl", "top1_agreement")}
+    metrics |= {f"smoke/{q}/accuracy": float(s["accuracy"]) for q, s in smoke.items()}
+    rows = ["| file | mean KL | top-1 agreement | smoke pass rate |", "|---|---|---|---|"]
+    rows += [f"| {f['file']} | {f['mean_kl']} | {f['top1_agreement']} | {smoke.get(f['quant'], {}).get('accuracy', '-')} |" for f in fidelity]
+    table = "\n".join(rows)
+    if "tensorboard" in cfg.training.report_to and (train_dir / "tensorboard").is_dir():
+        from torch.utils.tensorboard import SummaryWriter
+
+        with SummaryWriter(str(train_dir / "tensorboard")) as w:
+            for k, v in metrics.items():
+                w.add_scalar(k, v, 0)
+            w.add_text("export/fidelity", table, 0)
+    saved = train_dir / "mlflow_run.json"
+    if "mlflow" in cfg.training.report_to and saved.is_file():
+        from mlflow import MlflowClient
+        from mlflow.entities import Metric
+
+        run = json.loads(saved.read_text())
+        client = MlflowClient(run["tracking_uri"])
+        client.log_batch(run["run_id"], metrics=[Metric(k, v, 0, 0) for k, v in metrics.items()])
+        client.log_text(run["run_id"], table + "\n", "export/fidelity.md")
+        client.log_dict(run["run_id"], {"fidelity": fidelity, "smoke": smoke}, "export/fidelity.json")
+
+
 def flatten(d: dict, prefix: str = "") -> dict[str, str]:
     """{"training": {"learning_rate": 0.002}} -> {"training.learning_rate": "0.002"} (lists as JSON)."""
     out = {}

@@ -109,7 +109,7 @@ def run(cfg: RunConfig, out_dir: Path, *, inject_oom_at: int | None = None) -> T
     tokenizer = load_tokenizer(cfg.model)
     tset = data.training_set(cfg, tokenizer)  # tokenized once per content (the preflight made it), memory-mapped
     train_rows, lengths = tset.rows, tset.lengths
-    held_out = eval_rows(cfg, tokenizer)
+    held_out = eval_loss.rows(cfg, tokenizer)
     every = eval_loss.eval_steps(cfg, bool(held_out))  # a save_steps/eval_steps clash fails here, before the model loads
     print(f"train: {_describe_eval(cfg, held_out, every)}")
     longest = max(lengths)
@@ -224,16 +224,6 @@ def _describe(plan: batches.Plan, cfg: RunConfig) -> str:
            else f"padded, {t.per_device_train_batch_size} samples per micro-batch (widest {plan.tokens_per_micro_batch} tokens)")
     return (f"{how}; {plan.micro_batches_per_epoch} micro-batches per epoch, {plan.efficiency:.0%} of their tokens are "
             f"samples; ~{per_step:.1f} samples per optimizer step")
-
-
-def eval_rows(cfg: RunConfig, tokenizer) -> list[dict]:
-    """The eval samples tokenized exactly like the training ones; rows left with no loss-carrying
-    token (a truncated sample can lose its whole answer) are left out."""
-    samples = data.eval_samples(cfg)
-    if not samples:
-        return []
-    tok = data.tokenize(samples, tokenizer, cfg.data.max_length, cfg.data.long_sample_policy)
-    return [r for r in batches.rows(tok) if any(label != -100 for label in r["labels"][1:])]
 
 
 def _describe_eval(cfg: RunConfig, rows: list[dict], every: int | None) -> str:

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from stages import batches, eval_loss, lora_model, train
+from stages import batches, eval_loss, lora_model, tracking, train
 from stages.config import ConfigError, load_config
 from stages.modelio import load_tokenizer
 from tests.conftest import REPO, write_config
@@ -29,7 +29,7 @@ def test_eval_loss_is_per_loss_carrying_token_however_the_samples_are_batched(tm
     """Padded by 4, padded one by one and packed give the same eval loss: the token-weighted mean, not a mean of batch means."""
     cfg = load_config(write_config(tmp_path, data={"eval_file": _eval_file(tmp_path, 12)}, training=FAST))
     tokenizer = load_tokenizer(cfg.model)
-    rows = train.eval_rows(cfg, tokenizer)
+    rows = eval_loss.rows(cfg, tokenizer)
     results = {}
     for packing in ("off", "on"):  # the model as training builds it: packed attention only when packing
         shaped = cfg.model_copy(update={"training": cfg.training.model_copy(update={"packing": packing})})
@@ -117,6 +117,16 @@ def test_tensorboard_and_mlflow_get_losses_eval_params_memory_and_plots(tmp_path
     assert len(client.get_metric_history(run.info.run_id, "memory/rss_gib")) == 3
     assert {a.path for a in client.list_artifacts(run.info.run_id, "plots")} == {"plots/loss.png", "plots/memory.png"}
     assert "train_result.json" in {a.path for a in client.list_artifacts(run.info.run_id)}
+
+    # After export and smoke, the flow adds each GGUF's fidelity and smoke figures to the same runs.
+    fidelity = [{"quant": "Q4_K_M", "file": "model-Q4_K_M.gguf", "mean_kl": 0.012, "top1_agreement": 0.918}]
+    tracking.log_export(cfg, out, fidelity, {"Q4_K_M": {"accuracy": 1.0}})
+    assert client.get_metric_history(run.info.run_id, "export/Q4_K_M/top1_agreement")[0].value == pytest.approx(0.918)
+    assert client.get_metric_history(run.info.run_id, "smoke/Q4_K_M/accuracy")[0].value == 1.0
+    assert {"export/fidelity.md", "export/fidelity.json"} <= {a.path for a in client.list_artifacts(run.info.run_id, "export")}
+    events = EventAccumulator(str(out / "tensorboard"), size_guidance={"scalars": 0, "tensors": 0})
+    events.Reload()
+    assert [e.value for e in events.Scalars("export/Q4_K_M/mean_kl")] == pytest.approx([0.012])
 
     # As after a crash before the results were written: the rerun resumes and continues the same MLflow run.
     (out / "train_result.json").unlink()

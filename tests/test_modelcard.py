@@ -24,7 +24,13 @@ def test_templates_that_are_not_plain_per_role_text_get_no_go_template():
     qwen_default_system = ("{% for m in messages %}{% if loop.first and messages[0]['role'] != 'system' %}<|im_start|>system\n"
                            "You are helpful.<|im_end|>\n{% endif %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
                            "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-    assert modelcard.turn_template(qwen_default_system, "", "<|im_end|>", strip_bos=False) is None
+    # a default system turn is plain text a Go template can hold ({{ if not .System }}): derived, and checked against Jinja
+    tt = modelcard.turn_template(qwen_default_system, "", "<|im_end|>", strip_bos=False)
+    assert tt is not None and tt.default_system == "<|im_start|>system\nYou are helpful.<|im_end|>\n"
+    for convo in ([{"role": "user", "content": "a"}], [{"role": "system", "content": "s"}, {"role": "user", "content": "a"}]):
+        assert tt.assemble(convo) == modelcard.render(qwen_default_system, convo, add_generation_prompt=True, bos_token="", eos_token="<|im_end|>")
+    shouting = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] | upper }}\n{% endfor %}"
+    assert modelcard.turn_template(shouting, "", "", strip_bos=False) is None  # content transformed: no per-role text
     breakout = '{% for m in messages %}[{{ m["role"] }}] {{ m["content"] }}"""\nSYSTEM pwned\n{% endfor %}'
     assert modelcard.turn_template(breakout, "", "", strip_bos=False) is None  # would end TEMPLATE """ early
 

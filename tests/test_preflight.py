@@ -7,9 +7,9 @@ import json
 import pytest
 
 from stages import data, memory_model, preflight
-from stages.config import RunConfig, load_config
+from stages.config import ConfigError, RunConfig, load_config
 from stages.modelio import load_tokenizer
-from tests.conftest import write_config
+from tests.conftest import REPO, write_config
 
 TOY = {"model_type": "llama", "vocab_size": 100, "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 2,
        "num_attention_heads": 2, "num_key_value_heads": 1}
@@ -224,3 +224,21 @@ def test_a_sample_the_template_cannot_render_is_named(tmp_path):
     f.write_text(json.dumps({"prompt": "fine", "completion": "ok"}) + "\n" + json.dumps({"prompt": "boom", "completion": "x"}) + "\n")
     with pytest.raises(data.DataError, match=r"d.jsonl:2: the tokenizer or chat template failed on this sample: .*unsupported"):
         data.tokenize(data.read_jsonl(f), tok, 64, "error")
+
+
+def test_an_eval_sample_longer_than_every_training_one_sizes_the_worst_step(tmp_path):
+    """Eval runs training's micro-batch shape forward only; padded, its longest sample can make the widest
+    micro-batch of the run, so the estimate is sized by it. Packed, the budget must hold it."""
+    long = {"messages": [{"role": "user", "content": "Translate to French: " + " ".join(["red cat house"] * 5)},
+                         {"role": "assistant", "content": " ".join(["rouge chat maison"] * 5)}]}
+    ev = tmp_path / "eval.jsonl"
+    ev.write_text((REPO / "assets/data/translate_eval.jsonl").read_text() + json.dumps(long) + "\n")
+    c = load_config(write_config(tmp_path, data={"eval_file": str(ev)}, training={"packing": "off"}))
+    r = preflight.run(c, tmp_path / "p")
+    assert r.lengths.max > 22 and r.lengths.longest_id == f"{ev}:101 (eval)"
+    assert r.lengths.worst_batch_tokens == 32 * r.lengths.max
+    without = preflight.run(load_config(write_config(tmp_path, training={"packing": "off"})), tmp_path / "q")
+    assert without.lengths.max == 22 and r.estimate.total_gib > without.estimate.total_gib
+    packed = load_config(write_config(tmp_path, data={"eval_file": str(ev)}, training={"packing": "on", "max_tokens_per_batch": 30}))
+    with pytest.raises(ConfigError, match=rf"shorter than the longest eval sample \({r.lengths.max} tokens, {ev}:101\); set it to at least"):
+        preflight.run(packed, tmp_path / "r")

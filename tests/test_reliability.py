@@ -208,7 +208,7 @@ CASES = [
     Case("config", "unknown dtype", lambda ws: ws.set("model", torch_dtype="bf16"), "torch_dtype"),
     Case("config", "unknown long-sample policy", lambda ws: ws.set("data", long_sample_policy="cut"), "long_sample_policy"),
     Case("config", "a budget the weights do not fit", lambda ws: ws.set("preflight", gpu_memory_gib=0.004), "weights"),
-    Case("config", "a budget the step does not fit", lambda ws: ws.set("preflight", gpu_memory_gib=0.02), "per_device_train_batch_size"),
+    Case("config", "a budget the step does not fit", lambda ws: ws.set("preflight", gpu_memory_gib=0.02), "max_tokens_per_batch"),
     Case("config", "smoke context shorter than the prompts", lambda ws: ws.set("smoke", n_ctx=20), "smoke.n_ctx"),
     # model files
     Case("model", "model directory missing", lambda ws: shutil.rmtree(ws.model), "model"),

@@ -104,7 +104,7 @@ def _grads(model, batch) -> dict:
 
 def test_partial_checkpointing_gives_the_same_gradients_as_full(tmp_path):
     """fit: speed un-checkpoints layers; that must change memory and time, never the gradients."""
-    cfg = load_config(write_config(tmp_path, lora={"lora_dropout": 0.0}))
+    cfg = load_config(write_config(tmp_path, lora={"lora_dropout": 0.0}, training={"packing": "off"}))  # a padded batch below
     model = lora_model.build_model(cfg)
     tok = train.load_tokenizer(cfg.model)
     rows = batches.rows(data.tokenize(data.read_jsonl(cfg.data.train_file)[:4], tok, 256, "error"))
@@ -136,7 +136,8 @@ def test_fit_choice_is_recorded(tmp_path):
     r = train.run(cfg, tmp_path / "train")
     fit = json.loads((tmp_path / "train" / "fit.json").read_text())
     assert fit == r.fit and fit["checkpointed_layers"] == fit["total_layers"] == 2
-    assert "no CUDA device" in fit["reason"] and fit["attention"].startswith("sdpa (cpu)")
+    # packed on CPU by default: the attention that keeps samples apart (stages/attention.py)
+    assert "no CUDA device" in fit["reason"] and fit["attention"] == "tae_varlen (cpu)"
 
 
 def test_tokens_per_second_counts_only_the_micro_batches_trained_on(tmp_path):

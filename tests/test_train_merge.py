@@ -83,7 +83,8 @@ def test_qlora_adapter_merges_into_the_unquantized_base(qlora, tmp_path):
 
 
 def test_merged_logits_equal_adapter_logits_and_differ_from_base(tmp_path):
-    cfg = load_config(write_config(tmp_path, training={"max_steps": 3, "per_device_train_batch_size": 8, "save_steps": 100}))
+    # no warmup: three steps at the full learning rate move the adapter well past bf16 rounding
+    cfg = load_config(write_config(tmp_path, training={"max_steps": 3, "per_device_train_batch_size": 8, "save_steps": 100, "warmup_steps": 0}))
     r = train.run(cfg, tmp_path / "train")
     m = merge.run(cfg, r.adapter_dir, tmp_path / "merge")
     tok = load_tokenizer(cfg.model)
