@@ -100,9 +100,9 @@ def run(
             manifest = _manifest(cfg, version, gguf_files, sums, adapter_dir, data_fingerprint, smoke, memory,
                                  {"fidelity": fidelity or [], "merge": merge or {}, "stop_tokens": serving["stops"]} | (extra or {}))
             (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2, default=str))
-            text, has_template = modelcard.modelfile(names[0], names[1:], n_ctx=cfg.smoke.n_ctx, **serving)
+            text, template = modelcard.modelfile(names[0], names[1:], n_ctx=cfg.smoke.n_ctx, **serving)
             (tmp / "Modelfile").write_text(text)
-            (tmp / "README.md").write_text(modelcard.readme(json.loads((tmp / "manifest.json").read_text()), has_template))
+            (tmp / "README.md").write_text(modelcard.readme(json.loads((tmp / "manifest.json").read_text()), template))
             listed = [*names, "manifest.json", "Modelfile", "README.md"]
             (tmp / "SHA256SUMS").write_text("".join(f"{sums.get(n) or sha256_file(tmp / n)}  {n}\n" for n in listed))
             _fsync_dir(tmp)

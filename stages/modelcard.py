@@ -129,8 +129,8 @@ def _split_default(s_head: str, head: str, u_pre: str) -> tuple[str, str]:
 
 
 def modelfile(gguf_name: str, others: list[str], template: str, bos_token: str, eos_token: str, stops: list[str],
-              add_bos: bool, n_ctx: int) -> tuple[str, bool]:
-    """An Ollama Modelfile for `gguf_name`; returns (text, whether TEMPLATE was derived)."""
+              add_bos: bool, n_ctx: int) -> tuple[str, TurnTemplate | None]:
+    """An Ollama Modelfile for `gguf_name`; returns (text, the turn template its TEMPLATE came from, None if left out)."""
     tt = turn_template(template, bos_token, eos_token, strip_bos=add_bos)
     lines = [f"# Ollama: ollama create <name> -f Modelfile   (other quantizations in this bundle: {', '.join(others) or 'none'})",
              f"FROM ./{gguf_name}"]
@@ -142,10 +142,10 @@ def modelfile(gguf_name: str, others: list[str], template: str, bos_token: str, 
         lines.append("# TEMPLATE omitted: the chat template is not plain per-role text; Ollama uses the GGUF's tokenizer.chat_template")
     lines += [f"PARAMETER stop {json.dumps(s)}" for s in dict.fromkeys(stops) if s]
     lines.append(f"PARAMETER num_ctx {n_ctx}")
-    return "\n".join(lines) + "\n", tt is not None
+    return "\n".join(lines) + "\n", tt
 
 
-def readme(manifest: dict, modelfile_has_template: bool) -> str:
+def readme(manifest: dict, modelfile_template: TurnTemplate | None) -> str:
     """The model card: what this is, how it was made and checked, how to run it."""
     files = manifest["files"]
     fid = {f["quant"]: f for f in manifest.get("fidelity", [])}
@@ -197,9 +197,10 @@ def readme(manifest: dict, modelfile_has_template: bool) -> str:
         "on an H200 with llama-cpp-python 0.3.36 such a process segfaulted in the model load, a fresh one did not.",
         "",
         "The chat template is stored in each GGUF (`tokenizer.chat_template`) and used by llama.cpp's chat endpoints. "
-        + ("The Modelfile carries the same template as Ollama's Go template, checked against the Jinja rendering "
-           "(a default system turn included, used when a conversation has no system message)."
-           if modelfile_has_template else "The Modelfile leaves TEMPLATE to the one stored in the GGUF."),
+        + ("The Modelfile carries the same template as Ollama's Go template, checked against the Jinja rendering"
+           + (" (its default system turn included, used when a conversation has no system message)."
+              if modelfile_template.default_system else ".")
+           if modelfile_template else "The Modelfile leaves TEMPLATE to the one stored in the GGUF."),
         f"Generation stops at: {', '.join(repr(s) for s in manifest.get('stop_tokens', []))}.",
         "",
         "## How it was made",

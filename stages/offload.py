@@ -113,9 +113,6 @@ class PinnedPool:
             self.free.setdefault(buf.numel(), []).append(buf)
         self.used.clear()
 
-    def held_bytes(self) -> int:
-        return sum(b.numel() for bucket in self.free.values() for b in bucket) + sum(b.numel() for b in self.used)
-
 
 class HostEmbedding(torch.nn.Module):
     """A frozen input embedding kept in pinned CPU memory: rows are gathered on the host and

@@ -57,6 +57,7 @@ def test_quantized_files_hold_llama_cpps_fallback_types_and_say_how_many(chatml)
     assert result["files"][0]["fallbacks"] == {"Q4_K->Q5_0": 12, "Q6_K->Q8_0": 2}  # ffn_down / attn_v of the more-bits layers
     card = (bundle / "README.md").read_text()
     assert "fallback tensors" in card and "Q4_K->Q5_0 12" in card
+    assert "its default system turn included" in card
 
 
 def test_bpe_tokenization_and_the_template_survive_conversion(chatml):

@@ -78,6 +78,7 @@ def test_bundle_has_a_modelfile_and_model_card_checked_by_sha256sums(tmp_path):
     assert '{{ else if eq .Role "user" }}[INST] {{ .Content }} [/INST]' in modelfile
     card = (b.bundle_dir / "README.md").read_text()
     assert "model-Q5_K_S.gguf" in card and "sha256sum -c SHA256SUMS" in card
+    assert "checked against the Jinja rendering." in card and "default system turn" not in card  # this template has none
     listed = {line.split()[1] for line in (b.bundle_dir / "SHA256SUMS").read_text().splitlines()}
     assert listed == {"model-Q4_K_M.gguf", "model-Q5_K_S.gguf", "manifest.json", "Modelfile", "README.md"}
     subprocess.run(["sha256sum", "-c", "SHA256SUMS"], cwd=b.bundle_dir, check=True, capture_output=True)
