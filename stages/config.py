@@ -150,7 +150,18 @@ class TrainingSection(Section):
         "inprocess", description="accelerate: training runs as `accelerate launch --num_processes N -m stages.train` in a "
         "subprocess (DDP over N GPUs; on CPU torchrun with gloo), its output streamed into the Prefect logs."
     )
-    num_processes: int = Field(1, gt=0, description="Data-parallel processes with launcher: accelerate (one per GPU).")
+    num_processes: int = Field(1, gt=0, description="Processes per machine with launcher: accelerate (one per GPU).")
+    distributed: Literal["ddp", "fsdp"] = Field(
+        "ddp", description="How the processes of launcher: accelerate share the model. ddp: each holds the whole model "
+        "(more speed, not more room). fsdp: FSDP2 through accelerate shards the frozen base (16-bit or NF4), the adapter, "
+        "its gradients and optimizer states across all processes, so a model that does not fit one GPU fits N; the "
+        "preflight sizes one GPU's share. Checkpoints are sharded; the adapter is gathered and saved once."
+    )
+    num_machines: int = Field(1, gt=0, description="Machines in a multi-node run (each runs num_processes processes).")
+    machine_rank: int = Field(0, ge=0, description="This machine's index, 0 .. num_machines - 1; machine 0 writes the "
+                              "adapter and continues the pipeline, the others only train (set per machine, e.g. --set).")
+    main_process_ip: str | None = Field(None, description="Address of machine 0 (the rendezvous); needed with num_machines > 1.")
+    main_process_port: int = Field(29500, gt=0, lt=65536, description="Rendezvous port on machine 0.")
     fit: Literal["memory", "speed"] = Field(
         "memory", description="memory: every layer checkpointed, checkpointed activations offloaded to CPU on a GPU "
         "(smallest footprint). speed: measured at start, as few layers checkpointed as fit preflight.gpu_memory_gib "
@@ -228,6 +239,33 @@ class TrainingSection(Section):
     save_steps: int = Field(50, gt=0, description="Checkpoint every N steps; a crash loses at most N steps.")
     save_total_limit: int = Field(2, gt=0, description="Checkpoints kept on disk.")
     seed: int = Field(0, description="Seeds adapter init and data order.")
+
+    @model_validator(mode="after")
+    def _distributed(self) -> TrainingSection:
+        if self.launcher == "inprocess" and (self.distributed == "fsdp" or self.num_processes > 1 or self.num_machines > 1):
+            raise ValueError("distributed: fsdp, num_processes > 1 and num_machines > 1 need launcher: accelerate (one "
+                             "process per GPU); set training.launcher: accelerate")
+        if self.machine_rank >= self.num_machines:
+            raise ValueError(f"machine_rank is {self.machine_rank}, but num_machines is {self.num_machines}: ranks are 0 .. "
+                             f"{self.num_machines - 1}")
+        if self.num_machines > 1 and not self.main_process_ip:
+            raise ValueError("num_machines > 1 needs main_process_ip: the address of machine 0, which every machine can reach")
+        if self.distributed == "fsdp" and self.optim in ("paged_adamw_8bit", "adamw_8bit"):
+            raise ValueError(f"optim {self.optim} with distributed: fsdp: bitsandbytes' 8-bit optimizers do not take FSDP2's "
+                             "sharded parameters; use auto or adamw_torch (the states are sharded across processes instead)")
+        if self.distributed == "fsdp" and self.fit == "speed":
+            raise ValueError("fit: speed measures on the unsharded model in one process; with distributed: fsdp use fit: memory")
+        return self
+
+    @property
+    def world_size(self) -> int:
+        """All processes of the run, on every machine."""
+        return self.num_processes * self.num_machines
+
+    @property
+    def shards(self) -> int:
+        """Processes the base weights and adapter states are split across: the world with fsdp, else 1."""
+        return self.world_size if self.distributed == "fsdp" else 1
 
     def halved(self) -> TrainingSection:
         """Half the micro-batch, the accumulation raised to keep the effective batch."""

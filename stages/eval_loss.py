@@ -109,10 +109,13 @@ def forward_kwargs(model) -> dict:
 
 
 def measure(model, items: list, collate: Callable[[list], dict], device: torch.device,
-            autocast: Callable | None = None) -> tuple[torch.Tensor, int]:
+            autocast: Callable | None = None, *, counted: int | None = None, every_forward: bool = False) -> tuple[torch.Tensor, int]:
     """(summed token loss on `device`, loss-carrying tokens) over `items`, one collated micro-batch each.
 
     `autocast` makes the mixed-precision context training runs in (the Trainer's accelerator.autocast).
+    Only the first `counted` items (default all) count; with `every_forward` every item runs through
+    the model, even one without loss tokens: FSDP's forward is collective, so each process must run as
+    many as the others.
 
     The model is in eval mode meanwhile (dropout off; transformers skips checkpointing there) and goes
     back to the mode it was in. The sum stays on the device: one sync at the end, not one per batch.
@@ -123,16 +126,17 @@ def measure(model, items: list, collate: Callable[[list], dict], device: torch.d
     model.eval()
     try:
         with torch.no_grad():
-            for item in items:
+            for index, item in enumerate(items):
                 batch = collate(item)
-                n = loss_tokens(batch)
-                if n == 0:  # a truncated sample can lose every assistant token: its mean loss would be NaN
+                n = loss_tokens(batch) if counted is None or index < counted else 0
+                if n == 0 and not every_forward:  # a truncated sample can lose every assistant token: its mean loss would be NaN
                     continue
                 batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
                 with (autocast or contextlib.nullcontext)():
                     loss = model(**batch, **extra).loss
-                total += loss.double() * n
-                tokens += n
+                if n:
+                    total += loss.double() * n
+                    tokens += n
     finally:
         model.train(was_training)
     return total, tokens

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from transformers import TrainerCallback
 
-from stages import eval_loss, kernels, memory
+from stages import eval_loss, kernels, memory, sharding
 from stages.config import RunConfig
 from stages.modelio import compute_dtype, device
 from stages.offload import OffloadActivations
@@ -91,6 +91,7 @@ def make_trainer(cfg: RunConfig, model, train_rows, collator, out_dir: Path,
         kwargs |= dict(eval_strategy="steps", eval_steps=every, metric_for_best_model="eval_loss", greater_is_better=False,
                        load_best_model_at_end=t.load_best,
                        prediction_loss_only=True)  # any other eval path (predict) gathers no logits either
+    kwargs |= sharding.trainer_args(cfg, model)  # distributed: fsdp, in a launched process
     args = TrainingArguments(**(kwargs | overrides))
     if args.n_gpu > 1:
         # One process and several visible GPUs: the Trainer would wrap nn.DataParallel, which copies the
@@ -115,14 +116,22 @@ def make_trainer(cfg: RunConfig, model, train_rows, collator, out_dir: Path,
             self.micro_batches = 0  # trained on in this process (an epoch's last step can have fewer than the accumulation)
             self.evaluating = False  # stays True if an eval batch ran out of memory (the post-mortem says so)
 
+        def create_accelerator_and_postprocess(self):
+            super().create_accelerator_and_postprocess()
+            sharding.enable_on_cpu(self)  # FSDP on gloo as on GPUs (accelerate would run DDP there)
+
         def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix="eval"):
             """Eval loss on this process's share of the eval micro-batches, summed over processes, then
             logged and handed to the callbacks (early stopping, best checkpoint) as the Trainer's own is."""
             start = time.perf_counter()
             items = self.eval_dataset if eval_dataset is None else eval_dataset
             self.evaluating = True
-            total, tokens = eval_loss.measure(self.model, items[self.args.process_index::self.args.world_size], eval_collate,
-                                              self.args.device, self.accelerator.autocast)
+            mine = list(items[self.args.process_index::self.args.world_size])
+            counted = len(mine)
+            if self.is_fsdp_enabled:  # a sharded forward is collective: every process runs as many, extras not counted
+                mine += [items[0]] * (-(-len(items) // self.args.world_size) - counted)
+            total, tokens = eval_loss.measure(self.model, mine, eval_collate, self.args.device, self.accelerator.autocast,
+                                              counted=counted, every_forward=self.is_fsdp_enabled)
             self.evaluating = False
             summed = self.accelerator.reduce(torch.stack([total, torch.tensor(float(tokens), dtype=total.dtype, device=total.device)]),
                                              reduction="sum")
@@ -132,6 +141,11 @@ def make_trainer(cfg: RunConfig, model, train_rows, collator, out_dir: Path,
             self.log(metrics)
             self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
             return metrics
+
+        def _save_checkpoint(self, model, trial):
+            super()._save_checkpoint(model, trial)
+            if self.is_fsdp_enabled:
+                sharding.agree_on_best_checkpoint(self)
 
         def training_step(self, *args, **kwargs):
             self.micro_batches += 1

@@ -40,10 +40,12 @@ def resolve_auto(cfg: RunConfig, *, on_gpu: bool, liger: bool = True, bnb: bool 
         "fused_kernels": t.fused_kernels == "on" or (t.fused_kernels == "auto" and on_gpu and liger),
         "offload_activations": t.offload_activations == "on"
         or (t.offload_activations == "auto" and memory_first and t.gradient_checkpointing),
-        "offload_embeddings": t.offload_embeddings == "on" or (t.offload_embeddings == "auto" and memory_first),
+        # FSDP shards the table across processes instead (a host table is no parameter FSDP can shard)
+        "offload_embeddings": t.distributed != "fsdp" and (t.offload_embeddings == "on" or (t.offload_embeddings == "auto" and memory_first)),
         "tiled_mlp": t.tiled_mlp == "on" or (t.tiled_mlp == "auto" and on_gpu and liger and widest >= TILE_FROM_TOKENS),
         # 8-bit paged AdamW when memory comes first (-0.24 GiB, -1.5% tokens/s on R7), fused AdamW when speed does
-        "optim": t.optim if t.optim != "auto" else
+        # (bitsandbytes' 8-bit states do not take FSDP2's sharded parameters; sharded N ways, 32-bit states are small)
+        "optim": t.optim if t.optim != "auto" else "adamw_torch" if t.distributed == "fsdp" else
         "paged_adamw_8bit" if memory_first and bnb else "adamw_torch_fused" if on_gpu else "adamw_torch",
     }
 

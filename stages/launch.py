@@ -1,5 +1,6 @@
-"""Training as `accelerate launch` (DDP over N GPUs; torchrun with gloo on CPU) in a subprocess
-whose output streams into this process's log, and whose processes never outlive it.
+"""Training as `accelerate launch` (DDP or FSDP over N GPUs, on one or more machines; torchrun with
+gloo on CPU) in a subprocess whose output streams into this process's log, and whose processes
+never outlive it.
 
 If the caller is interrupted (a cancelled flow run: SIGTERM, or an exception) the launcher's
 process group is stopped; if the caller is killed outright, the kernel sends the launcher
@@ -22,23 +23,22 @@ LAUNCHED = "TAE_LAUNCHED"  # set in the processes `accelerate launch` starts for
 
 
 def launch(cfg: RunConfig, out_dir: Path) -> None:
-    """Run `python -m stages.train` under the launcher for `training.num_processes` processes,
-    output streamed line by line; raises unless it wrote <out_dir>/train_result.json."""
+    """Run `python -m stages.train` under the launcher for `training.num_processes` processes on this
+    machine (of `training.num_machines`), output streamed line by line; raises unless it succeeded and,
+    on machine 0, wrote <out_dir>/train_result.json."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    resolved = out_dir / "launch_config.yaml"
+    t = cfg.training
+    # machines of a multi-node run share out_dir on a shared file system: each its own copy
+    resolved = out_dir / ("launch_config.yaml" if t.machine_rank == 0 else f"launch_config-machine{t.machine_rank}.yaml")
     resolved.write_text(cfg.to_yaml())
-    n = cfg.training.num_processes
+    n = t.num_processes
     if torch.cuda.is_available() and n > torch.cuda.device_count():
         raise ConfigError(f"training.num_processes: {n}, but this machine shows {torch.cuda.device_count()} GPU(s) "
                           f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); one process per GPU: "
                           f"set it to at most {torch.cuda.device_count()}")
-    if torch.cuda.is_available():
-        launcher = ["accelerate.commands.launch", "--num_processes", str(n), "--num_machines", "1", "--mixed_precision", "no",
-                    "--dynamo_backend", "no", *(["--multi_gpu"] if n > 1 else [])]
-    else:  # accelerate's multi-CPU path needs MPI; torchrun (what it wraps on GPUs) does CPU with gloo
-        launcher = ["torch.distributed.run", "--standalone", "--nproc_per_node", str(n)]
-    cmd = [sys.executable, "-m", *launcher, "-m", "stages.train", "--config", str(resolved), "--out", str(out_dir)]
+    cmd = [sys.executable, "-m", *launcher_args(cfg, torch.cuda.is_available()), "-m", "stages.train", "--config", str(resolved),
+           "--out", str(out_dir)]
     print("train: " + " ".join(cmd))
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
                             env=os.environ | {LAUNCHED: "1", "PYTHONUNBUFFERED": "1"}, preexec_fn=die_with_parent)
@@ -54,8 +54,31 @@ def launch(cfg: RunConfig, out_dir: Path) -> None:
     finally:
         if installed:
             signal.signal(signal.SIGTERM, previous)
-    if rc != 0 or not (out_dir / "train_result.json").is_file():
+    if rc != 0 or (t.machine_rank == 0 and not (out_dir / "train_result.json").is_file()):
         raise RuntimeError(f"accelerate launch of stages.train exited with {rc}; its output is above")
+
+
+def launcher_args(cfg: RunConfig, cuda: bool) -> list[str]:
+    """The launcher module and its arguments: `accelerate launch` on GPUs; torchrun on CPU, whose gloo
+    backend it wraps (accelerate's own multi-CPU path needs MPI). Multi-node: the same rendezvous
+    (machine 0's address and port) on every machine, each with its own rank."""
+    t = cfg.training
+    if not cuda and t.distributed == "fsdp" and t.world_size == 1:
+        raise ConfigError("distributed: fsdp on CPU needs at least 2 processes (gloo starts no process group for one); "
+                          "set training.num_processes: 2 or distributed: ddp")
+    if cuda:
+        args = ["accelerate.commands.launch", "--num_processes", str(t.world_size), "--num_machines", str(t.num_machines),
+                "--mixed_precision", "no", "--dynamo_backend", "no"]
+        if t.num_machines > 1:
+            args += ["--machine_rank", str(t.machine_rank), "--main_process_ip", t.main_process_ip,
+                     "--main_process_port", str(t.main_process_port)]
+        # torchrun even for one process with fsdp: the Trainer shards only in a process group
+        return args + (["--multi_gpu"] if t.world_size > 1 or t.distributed == "fsdp" else [])
+    args = ["torch.distributed.run", "--nproc_per_node", str(t.num_processes)]
+    if t.num_machines == 1:
+        return args + ["--standalone"]
+    return args + ["--nnodes", str(t.num_machines), "--node_rank", str(t.machine_rank), "--master_addr", t.main_process_ip,
+                   "--master_port", str(t.main_process_port)]
 
 
 try:  # loaded before any fork: only the prctl call itself runs between fork and exec

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from stages import kernels
+from stages import kernels, sharding
 from stages.attention import avoid_cudnn_sdpa, use_packed_attention
 from stages.config import ConfigError, RunConfig
 from stages.modelio import load_base
@@ -23,12 +23,14 @@ def build_model(cfg: RunConfig, longest: int | None = None):
     from peft import LoraConfig, get_peft_model
     from transformers import set_seed
 
-    model = load_base(cfg.model, cfg.quantization)
+    model = load_base(cfg.model, cfg.quantization, sharded=sharding.active(cfg))
     avoid_cudnn_sdpa()
     if kernels.packing(cfg):
         use_packed_attention(model, kernels.packed_attention(cfg))
     kernels.use_liger(model, loss=kernels.cross_entropy(cfg) == "chunked", kernels=kernels.fused_kernels(cfg),
               forced=cfg.training.cross_entropy == "chunked" or cfg.training.fused_kernels == "on")
+    if sharding.active(cfg) and kernels.cross_entropy(cfg) == "chunked":
+        sharding.gather_lm_head_for_fused_loss(model)
     if kernels.tiled_mlp(cfg, longest):
         kernels.tile_mlp(model)
     if kernels.offload_embeddings(cfg):

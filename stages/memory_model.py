@@ -146,14 +146,17 @@ def estimate(cfg: RunConfig, s: Shapes, longest: int, on_gpu: bool, coef: dict |
     table = s.vocab * s.hidden
     host_embeddings = gpu["offload_embeddings"] and not s.tied  # a table tied to lm_head stays on the GPU
     other_params = (0 if host_embeddings else table) + (0 if s.tied else table) + (2 * s.layers + 1) * s.hidden
-    linear_bytes = linear_params * (NF4_BYTES[q.bnb_4bit_use_double_quant] if q.load_in_4bit else act)
-    weights = linear_bytes + other_params * act
+    n = t.shards  # distributed: fsdp shards what follows over n processes; 1 otherwise
+    # NF4 with FSDP: the packed 4-bit data is sharded, its quantisation constants (absmax) stay whole on every process
+    nf4_local = 0.5 / n + NF4_BYTES[q.bnb_4bit_use_double_quant] - 0.5
+    linear_bytes = linear_params * (nf4_local if q.load_in_4bit else act / n)
+    weights = linear_bytes + other_params * act / n
 
     targets = list(lin) if lo.target_modules == "all-linear" else [m for m in lo.target_modules if m in lin]
     matrices = [n for m in targets for n in (lo.r * lin[m][0], lo.r * lin[m][1])]  # lora_A, lora_B of one layer
     lora_params = s.layers * sum(matrices)
     states = s.layers * sum(_state_bytes(gpu["optim"], n, on_gpu) for n in matrices)
-    adapters = lora_params * 8 + states  # peft keeps adapters in fp32 (autocast_adapter_dtype): weight 4 + grad 4
+    adapters = (lora_params * 8 + states) / n  # peft keeps adapters in fp32 (autocast_adapter_dtype): weight 4 + grad 4
     workspace = CUBLAS_WORKSPACE if on_gpu else 0
 
     dropout = tokens * sum(lin[m][0] for m in targets) * (act + 1) if lo.lora_dropout > 0 else 0  # copy + mask
@@ -183,23 +186,36 @@ def estimate(cfg: RunConfig, s: Shapes, longest: int, on_gpu: bool, coef: dict |
     mask = k["mask"] * b * seq * seq if b > 1 or gpu["packed_attention"] == "mask" else 0.0
     if cfg.model.attn_implementation == "eager":  # the seq x seq scores, per head, saved per layer
         mask += b * s.heads * seq * seq * act * (2 if t.gradient_checkpointing else 2 * s.layers)
-    phase, peak = ("loss", loss) if loss >= layer else ("layer recompute + backward", layer)
+    gathered_layer = gathered_tail = prefetched = 0.0
+    fsdp = t.distributed == "fsdp"
+    if fsdp:  # FSDP2 all-gathers a layer's weights while it computes and prefetches the next unit's
+        # (NF4 stored in the compute dtype: 0.5 byte per weight; LoRA and norms gathered in the compute dtype)
+        gathered_layer = linear_params / s.layers * (0.5 if q.load_in_4bit else act) + (2 * s.hidden + sum(matrices)) * act
+        gathered_tail = table * act + s.hidden * act  # [final norm, lm_head] stay whole from the forward's end into backward
+        # the last unit back-propagated, the input table (untied), is prefetched during the first layer's backward
+        prefetched = max(gathered_layer, 0.0 if s.tied else table * act)
+    # chunked: the lm_head stays gathered through the backward (sharding.gather_lm_head_for_fused_loss)
+    layer_total = layer + gathered_layer + prefetched + (gathered_tail if chunked else 0.0)
+    loss_total = loss + gathered_tail + gathered_layer
+    phase, peak = ("loss", loss_total) if loss_total >= layer_total else ("layer recompute + backward", layer_total)
     # With expandable segments the allocator unmaps free pages inside its segment and maps them where a request
     # needs them once the process reaches its cap: the 4-21% more an uncapped run reserves is given back, and a
     # run capped a few % above its peak allocated completes (bench/results/cap_check.json). What stays is slack.
     overhead = (k["slack_gib"] * GIB + k["slack"] * (kept + peak + mask)
                 + (0.0 if chunked else k["frag_logits"] * tokens * s.vocab)) if on_gpu else 0.0
     paged = s.layers * sum(_state_bytes(gpu["optim"], n, on_gpu, paged=True) for n in matrices)
+    shard = f", this process's 1/{n} shard" if fsdp else ""
     items = {
-        "base weights" + (" (NF4 + 16-bit embeddings)" if q.load_in_4bit else "")
+        "base weights" + (" (NF4 + 16-bit embeddings)" if q.load_in_4bit else "") + shard
         + (", input embedding in host memory" if host_embeddings else ""): weights,
-        f"LoRA weights+grads+{gpu['optim']} states ({lora_params / 1e6:.1f} M params)"
+        f"LoRA weights+grads+{gpu['optim']} states ({lora_params / 1e6:.1f} M params{shard})"
         + (f"; {paged / GIB:.2f} GiB more states paged outside torch" if paged else ""): adapters,
         "cuBLAS workspaces": workspace,
         "activations kept for backward" + (" (layer inputs, checkpointed" + (", offloaded to host)" if gpu["offload_activations"] else ")")
                                            if t.gradient_checkpointing else " (all layers)"): kept,
         f"peak moment: {phase}" + (" (chunked cross-entropy)" if chunked and phase == "loss" else "")
-        + (" (tiled MLP)" if tiled and phase != "loss" else ""): peak,
+        + (" (tiled MLP)" if tiled and phase != "loss" else "")
+        + (" + the layers (and lm_head) FSDP has gathered for it" if fsdp else ""): peak,
         "padding mask / attention scores": mask,
         "allocator overhead (reserved - allocated)": overhead,
     }

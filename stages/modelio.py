@@ -98,11 +98,14 @@ def _check_bitsandbytes() -> None:
         raise ConfigError("quantization.load_in_4bit: bitsandbytes NF4 runs on CUDA and CPU, not on Apple MPS; set it to false")
 
 
-def load_base(model: ModelSection, quant: QuantizationSection, *, quantized: bool | None = None):
+def load_base(model: ModelSection, quant: QuantizationSection, *, quantized: bool | None = None, sharded: bool = False):
     """The frozen base, in train-ready form: 16-bit or (QLoRA) NF4, on the one device.
 
     Args:
         quantized: override `quant.load_in_4bit` (merge loads the unquantised base of a QLoRA run).
+        sharded: FSDP will shard it (stages/sharding.py): loaded into host memory, from where each
+            process moves only its shard to its GPU; NF4 stored in the compute dtype, which FSDP can
+            flatten (the default uint8 storage cannot be sharded).
     """
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
@@ -116,14 +119,19 @@ def load_base(model: ModelSection, quant: QuantizationSection, *, quantized: boo
             bnb_4bit_quant_type=quant.bnb_4bit_quant_type,
             bnb_4bit_use_double_quant=quant.bnb_4bit_use_double_quant,
             bnb_4bit_compute_dtype=cdt,
+            **({"bnb_4bit_quant_storage": cdt} if sharded else {}),
         )
-    return AutoModelForCausalLM.from_pretrained(
+    base = AutoModelForCausalLM.from_pretrained(
         resolve_model_dir(model.name_or_path),
         dtype=dtype,
         attn_implementation=model.attn_implementation,
         trust_remote_code=model.trust_remote_code,
         use_safetensors=True,
         # One device, never "auto": a silent CPU offload turns an OOM into a 50x slowdown.
-        device_map={"": str(device())},
+        device_map={"": "cpu" if sharded else str(device())},
         **kwargs,
     )
+    if sharded:
+        # FSDP places each shard, not this map; accelerate would refuse an NF4 model mapped to the host
+        base.__dict__.pop("hf_device_map", None)
+    return base

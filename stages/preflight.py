@@ -110,14 +110,19 @@ def run(cfg: RunConfig, out_dir: Path, gpu_memory_gib: float | None = None) -> P
         est = estimate(cfg, shapes, lengths.max, on_gpu=on_gpu)
         weights = next(v for k, v in est.items_gib.items() if k.startswith("base weights"))
         if weights > usable:
+            sharded = fsdp_over(cfg, shapes, lengths.max, usable, on_gpu)
             raise PreflightError(
-                f"the base weights alone need {weights:.2f} GiB, more than the {usable:.2f} GiB usable of {budget:.2f} GiB on {device}; "
-                + ("use a bigger card or several GPUs (FSDP)" if cfg.quantization.load_in_4bit
-                   else "set quantization.load_in_4bit: true (QLoRA) or use a bigger card")
+                f"the base weights alone need {weights:.2f} GiB per GPU, more than the {usable:.2f} GiB usable of {budget:.2f} GiB "
+                f"on {device}; "
+                + ("" if cfg.quantization.load_in_4bit else "set quantization.load_in_4bit: true (QLoRA), ")
+                + (f"shard the model over {sharded[0]} GPUs (estimate {sharded[1]:.2f} GiB per GPU): --set training.launcher=accelerate "
+                   f"--set training.distributed=fsdp --set training.num_processes={sharded[0]}" if sharded else "")
+                + " or use a bigger card"
             )
         result_probe = None
-        # Probing a run the estimate puts far over budget would only OOM slowly.
-        if on_gpu and cfg.preflight.probe and est.total_gib <= PROBE_IF_UNDER * usable:
+        # Probing a run the estimate puts far over budget would only OOM slowly. With fsdp one process's memory
+        # depends on the others: the probe (one process) cannot measure it, the train stage records each's peak.
+        if on_gpu and cfg.preflight.probe and cfg.training.distributed != "fsdp" and est.total_gib <= PROBE_IF_UNDER * usable:
             result_probe = probe(cfg, lengths.max, usable, out_dir, lengths=lengths.longest)
         fits = result_probe.ok if result_probe else est.total_gib <= usable
         suggestions = [] if fits else suggest(cfg, shapes, lengths, usable, on_gpu=on_gpu)
@@ -281,6 +286,10 @@ def suggest(cfg: RunConfig, s: Shapes, lengths: LengthScan, usable: float, on_gp
         options.append((4, {"lora.r": cfg.lora.r // 2}, lengths.max))
     if lengths.p99 < lengths.max:
         options.append((5, {"data.max_length": lengths.p99, "data.long_sample_policy": "drop"}, lengths.p99))
+    sharded = fsdp_over(cfg, s, lengths.max, usable, on_gpu) if on_gpu and t.distributed != "fsdp" else None
+    if sharded:  # more GPUs, same run
+        options.append((6, {"training.launcher": "accelerate", "training.distributed": "fsdp", "training.num_processes": sharded[0]},
+                        lengths.max))
     base = estimate(cfg, s, lengths.max, on_gpu).total_gib
     resolved = resolve_auto(cfg, on_gpu=on_gpu) | {"cross_entropy": loss_mode(cfg, on_gpu)}
     out = []
@@ -303,6 +312,16 @@ def suggest(cfg: RunConfig, s: Shapes, lengths: LengthScan, usable: float, on_gp
         out.append({"change": " ".join(sets), "overrides": sets, "diff": diff, "rank": rank, "estimate_gib": total,
                     "saving_gib": round(base - total, 3), "fits": total <= usable})
     return sorted(out, key=lambda o: -o["saving_gib"])
+
+
+def fsdp_over(cfg: RunConfig, s: Shapes, longest: int, usable: float, on_gpu: bool) -> tuple[int, float] | None:
+    """The fewest GPUs (of 2, 4, 8) that distributed: fsdp needs for the estimate to fit, with that estimate per GPU."""
+    for n in (2, 4, 8):
+        t = cfg.training.model_copy(update={"launcher": "accelerate", "distributed": "fsdp", "num_processes": n, "num_machines": 1})
+        total = estimate(cfg.model_copy(update={"training": t}), s, longest, on_gpu).total_gib
+        if total <= usable:
+            return n, total
+    return None
 
 
 def smallest_fix(suggestions: list[dict]) -> dict | None:
@@ -336,8 +355,11 @@ def headline(r: PreflightResult, cfg: RunConfig) -> str:
         return (f"Preflight: {verdict}, measured: two real optimizer steps on the worst micro-batch ran out of memory under the "
                 f"{p.cap_gib:.2f} GiB cap; {budget}. The estimate below said {r.estimate.total_gib:.2f} GiB.")
     why = ("no CUDA device here to measure on" if r.device == "cpu" else "preflight.probe is off" if not cfg.preflight.probe
-           else f"over {PROBE_IF_UNDER:.1f}x the usable memory: not worth a probe")
-    return f"Preflight: {verdict}, estimated: {r.estimate.total_gib:.2f} GiB for {budget} ({why})."
+           else "distributed: fsdp: one process cannot probe a sharded step; train/memory.json records each process's peak"
+           if cfg.training.distributed == "fsdp" else f"over {PROBE_IF_UNDER:.1f}x the usable memory: not worth a probe")
+    per = (f" per GPU (each of {cfg.training.world_size} processes holds 1/{cfg.training.world_size} of the sharded model)"
+           if cfg.training.distributed == "fsdp" else "")
+    return f"Preflight: {verdict}, estimated: {r.estimate.total_gib:.2f} GiB{per} for {budget} ({why})."
 
 
 def render(r: PreflightResult, cfg: RunConfig) -> str:

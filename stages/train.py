@@ -40,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-from stages import autofit, batches, data, eval_loss, kernels, launch, memory
+from stages import autofit, batches, data, eval_loss, kernels, launch, memory, sharding
 from stages.attention import attention_kernel
 from stages.config import RunConfig, load_config
 from stages.errors import UserError
@@ -102,6 +102,9 @@ def run(cfg: RunConfig, out_dir: Path, *, inject_oom_at: int | None = None) -> T
     if cfg.training.launcher == "accelerate" and not os.environ.get(launch.LAUNCHED):
         with memory.track("train", out_dir / "launcher") as meter:
             launch.launch(cfg, out_dir)
+        if cfg.training.machine_rank > 0:
+            print(f"train: machine {cfg.training.machine_rank} of {cfg.training.num_machines} done; machine 0 writes the adapter")
+            return None
         result = _load_result(done)
         result.memory, result.skipped = result.memory or meter.report, False
         return result
@@ -177,11 +180,14 @@ def run(cfg: RunConfig, out_dir: Path, *, inject_oom_at: int | None = None) -> T
                         ) from e
                     raise
             wall = time.perf_counter() - t0
+            # FSDP: every process hands in its shards of the adapter (with training.load_best, of the best
+            # checkpoint, which the Trainer has loaded back by now); process 0 writes it, whole, once
+            whole = sharding.adapter_state_dict(model) if sharding.is_sharded(model) else None
+            ranks = sharding.per_rank_memory() if world > 1 or whole is not None else None
             release(trainer)
-            if trainer.is_world_process_zero():  # DDP: rank 0 writes the adapter and the results
-                # with training.load_best the Trainer has loaded the best checkpoint's adapter back by now
-                model.save_pretrained(out_dir / "adapter", safe_serialization=True)
-            trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+            if trainer.is_world_process_zero():  # DDP/FSDP: rank 0 writes the adapter and the results
+                model.save_pretrained(out_dir / "adapter", safe_serialization=True, **({"state_dict": whole} if whole else {}))
+            trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)  # a shard counts its whole tensor
             # Trainer and model hold each other through cycles (callbacks, hooks, Liger's bound forward):
             # collected here, inside the stage, or the next stage would start with this model still allocated.
             del model
@@ -189,6 +195,10 @@ def run(cfg: RunConfig, out_dir: Path, *, inject_oom_at: int | None = None) -> T
             meter.extra["steps_this_process"] = trainer.state.global_step - (step_of(resume) if resume else 0)
             meter.extra["oom_recoveries"] = recoveries
             meter.extra["fit"] = memory.jsonable(fit)
+            if ranks:  # each process's own peak: with fsdp, what one GPU holds of the sharded model
+                meter.extra["per_rank"] = ranks
+                meter.extra["distributed"] = {"kind": cfg.training.distributed, "processes": world,
+                                              "machines": cfg.training.num_machines}
         if not trainer.is_world_process_zero():
             return None
         losses = [e for e in trainer.state.log_history if "loss" in e]
