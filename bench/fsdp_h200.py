@@ -30,12 +30,14 @@ BUDGET = 16384
 
 
 def row_config(model_dir: Path, row: str):
+    """Rows are single|fsdp, optionally -lora (bf16 base instead of NF4) and :BUDGET (tokens per micro-batch)."""
     from bench.packing_r7 import stage_config
 
-    extra = {"packing": "on", "packed_attention": "varlen", "max_tokens_per_batch": BUDGET}
-    if row == "fsdp":
+    name, _, budget = row.partition(":")
+    extra = {"packing": "on", "packed_attention": "varlen", "max_tokens_per_batch": int(budget or BUDGET)}
+    if name.startswith("fsdp"):
         extra |= {"launcher": "accelerate", "distributed": "fsdp", "num_processes": 1}
-    return stage_config(model_dir, True, **extra)
+    return stage_config(model_dir, not name.endswith("-lora"), **extra)
 
 
 def run_row(row: str, model_dir: Path) -> dict:
@@ -87,7 +89,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--row", help=argparse.SUPPRESS)
-    ap.add_argument("--rows", nargs="*", default=["single", "fsdp"])
+    ap.add_argument("--rows", nargs="*", default=["single", "fsdp"], help="single|fsdp[-lora][:BUDGET]")
     ap.add_argument("--row-timeout", type=float, default=280)
     ap.add_argument("--reestimate", type=Path, help="a results JSON: the estimate of today's memory_model for each row, no GPU")
     a = ap.parse_args()
@@ -105,8 +107,8 @@ def main() -> None:
 
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "budget_tokens": BUDGET, "rows": {}}
     for row in a.rows:
-        part = a.out.with_suffix(f".{row}.json")
-        launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1"] if row == "fsdp" else []
+        part = a.out.with_suffix(f".{row.replace(':', '-')}.json")
+        launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1"] if row.startswith("fsdp") else []
         t0 = time.perf_counter()
         try:
             p = subprocess.run([sys.executable, *launcher, __file__, "--row", row, "--out", str(part)], timeout=a.row_timeout,
