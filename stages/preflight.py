@@ -28,7 +28,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from stages import data, eval_loss, memory, packing
+from stages import checks, data, eval_loss, memory, packing
 from stages.config import ConfigError, RunConfig, load_config
 from stages.errors import UserError
 from stages.kernels import resolve_auto
@@ -92,6 +92,7 @@ def run(cfg: RunConfig, out_dir: Path, gpu_memory_gib: float | None = None) -> P
     """Scan the data, estimate the worst step, probe it on a GPU; raise PreflightError if it does not fit."""
     out_dir = Path(out_dir)
     with memory.track("preflight", out_dir) as meter:
+        checks.before_training(cfg, out_dir)  # what the run would otherwise hit after training: trackers, disk, export tools
         shapes = Shapes.from_config(json.loads((resolve_model_dir(cfg.model.name_or_path) / "config.json").read_text()))
         tokenizer = load_tokenizer(cfg.model)
         lengths = scan_lengths(cfg, tokenizer)
