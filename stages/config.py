@@ -232,6 +232,11 @@ class TrainingSection(Section):
         [], description="Trackers that get params, losses, eval metrics, per-step memory and the plots. mlflow writes to "
         "MLFLOW_TRACKING_URI when set, else to a local file store under the run's train/ directory."
     )
+    oom_retries: int = Field(
+        2, ge=0, description="CUDA out of memory during training: resume from the last checkpoint with half the micro-batch (packed: "
+        "half the token budget) and twice the accumulation, the same samples per optimizer step, up to this many times. 0: stop at the "
+        "first one with its post-mortem."
+    )
     memory_snapshot_steps: int = Field(
         0, ge=0, description="CUDA: record every allocation of the first N optimizer steps to train/memory_snapshot.pickle "
         "(drag into https://pytorch.org/memory_viz); an OOM while recording also dumps one next to its post-mortem. 0: off."

@@ -13,6 +13,7 @@ import json
 import logging
 import sys
 import time
+import weakref
 from pathlib import Path
 
 import torch
@@ -254,12 +255,20 @@ class MemorySnapshot(TrainerCallback):
 
 
 class InjectOOM(TrainerCallback):
-    """Test hook: a CUDA out-of-memory error at the start of optimizer step `step`."""
+    """Test hook: a CUDA out-of-memory error at the start of optimizer step `step`. `InjectOOM.failed` keeps weak
+    references to what the failed attempt trained with (model, optimizer, dataloader), so a test can check that
+    none of it is alive when the model is built again."""
+
+    failed: dict = {}
 
     def __init__(self, step: int) -> None:
         self.step = step
 
     def on_step_begin(self, args, state, control, **kwargs):
         if state.global_step + 1 == self.step:
-            raise torch.OutOfMemoryError(f"injected CUDA out of memory at step {self.step} (test hook)")
+            InjectOOM.failed = {k: weakref.ref(kwargs[k]) for k in ("model", "optimizer", "train_dataloader") if kwargs.get(k) is not None}
+            kwargs["model"].register_forward_pre_hook(self._raise)  # from inside the forward, as a real one comes
         return control
+
+    def _raise(self, module, args):
+        raise torch.OutOfMemoryError(f"injected CUDA out of memory at step {self.step} (test hook)")

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import torch
 
-from stages import kernels, sharding
+from stages import architecture, kernels, sharding
 from stages.attention import avoid_cudnn_sdpa, use_packed_attention
-from stages.config import ConfigError, RunConfig
+from stages.config import RunConfig
 from stages.modelio import load_base
 from stages.offload import embeddings_to_host
 
@@ -23,7 +23,13 @@ def build_model(cfg: RunConfig, longest: int | None = None):
     from peft import LoraConfig, get_peft_model
     from transformers import set_seed
 
+    arch = architecture.of_model(cfg.model)
+    targets = architecture.resolve_targets(cfg.lora.target_modules, arch) if arch else None  # before any weights load
     model = load_base(cfg.model, cfg.quantization, sharded=sharding.active(cfg))
+    if targets is None:  # a model transformers could not build on the meta device: its loaded modules decide
+        targets = architecture.resolve_targets(cfg.lora.target_modules, architecture.describe(model))
+    for note in targets.notes:
+        print(f"train: {note}")
     avoid_cudnn_sdpa()
     if kernels.packing(cfg):
         use_packed_attention(model, kernels.packed_attention(cfg))
@@ -43,26 +49,18 @@ def build_model(cfg: RunConfig, longest: int | None = None):
     # The adapter's random init draws from the global RNG: seed it here, not only in the
     # Trainer (created later), or two runs of one config start from different adapters.
     set_seed(cfg.training.seed)
-    try:
-        model = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", **cfg.lora.model_dump()))
-    except ValueError as e:
-        if "not found in the base model" not in str(e) and "Target modules" not in str(e):
-            raise
-        raise ConfigError(
-            f"lora.target_modules {cfg.lora.target_modules} match no module of {type(model).__name__}; "
-            f"its linear modules are: {sorted(linear_module_names(model))} (or use all-linear)"
-        ) from None
+    model = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", **(cfg.lora.model_dump() | {"target_modules": targets.modules})))
     check_only_lora_trains(model)
+    check_adapted(model, targets, cfg.lora.r)
     return model
 
 
-def linear_module_names(model) -> set[str]:
-    """Leaf names of the linear layers LoRA can adapt (16-bit or bitsandbytes 4-bit)."""
-    names = set()
-    for name, module in model.named_modules():
-        if isinstance(module, torch.nn.Linear) or type(module).__name__ in ("Linear4bit", "Linear8bitLt"):
-            names.add(name.rsplit(".", 1)[-1])
-    return names
+def check_adapted(model, targets: architecture.Targets, r: int) -> None:
+    """The adapter holds what the estimate counted: every resolved module, r x (in + out) each."""
+    trainable = sum(p.numel() for n, p in model.named_parameters() if p.requires_grad and "lora_" in n)
+    if trainable != targets.params(r):
+        raise RuntimeError(f"the adapter has {trainable} parameters where {targets.summary(r)} were resolved; "
+                           "peft adapted other modules than the preflight counted")
 
 
 def _decoder_layers(model) -> list:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from stages import architecture
+from stages.architecture import Architecture, Linear, Targets
 from stages.config import RunConfig
 from stages.kernels import resolve_auto
 from stages.memory import GIB
@@ -30,6 +32,7 @@ COEF = dict(
     tile_i=0.175,       # x shard*I*act: one tiled-MLP shard recomputed and back-propagated
     nf4_i=0.894,        # x T*I*act: QLoRA, untiled: one more intermediate-sized tensor than 16-bit LoRA (measured, not traced)
     nf4_tiled_h=-1.436, # x T*H*act: QLoRA, tiled: hidden-sized difference to 16-bit LoRA (measured)
+    qk_norm=2.0,        # x T*(Q+KV)*act: the query/key norms' tensors (first guess; refitted on the capped grid)
     mask=4.519,         # bytes per element of the batch x seq x seq padding mask
     slack_gib=0.125,    # allocator: what a capped run cannot give back (partly used pages, the small-block pool)
     slack=0.01,         # allocator: as a fraction of the step's activations
@@ -52,10 +55,13 @@ class Shapes:
     tied: bool
     experts: int = 1
     unknown: list[str] = field(default_factory=list)
+    arch: Architecture | None = None  # the model built on the meta device: its real modules, where transformers can build it
 
     @classmethod
-    def from_config(cls, cfg: dict) -> Shapes:
-        """Reads Llama/Qwen/Mistral-style names, with GPT-style fallbacks; never raises on a missing key."""
+    def from_config(cls, cfg: dict, trust_remote_code: bool = False, model_dir: str | None = None) -> Shapes:
+        """Reads Llama/Qwen/Mistral-style names, with GPT-style fallbacks; never raises on a missing key.
+        The linear modules and parameter count come from the model built on the meta device where it builds."""
+        arch = architecture.from_config(cfg, trust_remote_code, model_dir)
         cfg = cfg.get("text_config", cfg)
         unknown = []
 
@@ -73,24 +79,44 @@ class Shapes:
             layers=get("num_hidden_layers", "n_layer", "num_layers"), heads=heads,
             kv_heads=cfg.get("num_key_value_heads") or heads, head_dim=cfg.get("head_dim") or (hidden // heads if heads else 0),
             tied=bool(cfg.get("tie_word_embeddings", False)),
-            experts=int(cfg.get("num_local_experts") or cfg.get("num_experts") or 1), unknown=unknown,
+            experts=int(cfg.get("num_local_experts") or cfg.get("num_experts") or 1), unknown=unknown, arch=arch,
         )
-        arch = (cfg.get("architectures") or ["?"])[0]
+        name = (cfg.get("architectures") or ["?"])[0]
+        if arch is None:
+            shapes.unknown.append(
+                f"{name} (model_type {cfg.get('model_type')!r}) cannot be built here from config.json alone: its linear modules "
+                "are assumed Llama-style (q/k/v/o, gate/up/down); trust the GPU probe over the estimate")
         if cfg.get("model_type") not in KNOWN_MODEL_TYPES:
             shapes.unknown.append(
-                f"architecture {arch} (model_type {cfg.get('model_type')!r}) is not one the estimate was calibrated on "
-                f"({', '.join(sorted(KNOWN_MODEL_TYPES))}): weights are counted from the shapes above, activations assume a "
+                f"architecture {name} (model_type {cfg.get('model_type')!r}) is not one the estimate was calibrated on "
+                f"({', '.join(sorted(KNOWN_MODEL_TYPES))}): weights are counted from its modules, activations assume a "
                 "Llama-style decoder; trust the GPU probe over the estimate"
             )
         if shapes.experts > 1:
             shapes.unknown.append(f"{shapes.experts} experts: every expert's MLP weights are counted, activations as if dense")
         return shapes
 
-    def linears(self) -> dict[str, tuple[int, int]]:
-        """(in, out) features of each per-layer linear module."""
+    def linears(self) -> dict[str, Linear]:
+        """Every adaptable linear module of the model by leaf name, each instance's (in, out) features: the built
+        model's where it builds, else a Llama-style decoder's from config.json."""
+        if self.arch is not None:
+            return self.arch.linears
         h, q, kv, i = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim, self.intermediate
-        return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-                "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+        per_layer = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+                     "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+        mlp = {"gate_proj", "up_proj", "down_proj"}
+        return {m: Linear(m, (io,) * self.layers * (self.experts if m in mlp else 1)) for m, io in per_layer.items()}
+
+    def targets(self, requested: list[str] | str) -> Targets:
+        """lora.target_modules resolved against the model (fused projections mapped; unknown names refused)."""
+        return architecture.resolve_targets(requested, self.arch or _llama_style(self))
+
+    def other_params(self) -> int:
+        """Parameters outside the linear modules, the input table and lm_head excluded (norms, biases, ...)."""
+        if self.arch is not None:
+            tables = self.vocab * self.hidden * (1 if self.tied else 2)
+            return max(0, self.arch.total_params - self.arch.linear_params - tables)
+        return (2 * self.layers + 1) * self.hidden
 
 
 @dataclass
@@ -141,26 +167,29 @@ def estimate(cfg: RunConfig, s: Shapes, longest: int, on_gpu: bool, coef: dict |
     tokens = b * seq
     lin = s.linears()
     h, i, kv = s.hidden, s.intermediate, s.kv_heads * s.head_dim
-    mlp = {"gate_proj", "up_proj", "down_proj"}
-    linear_params = s.layers * sum(a * o * (s.experts if m in mlp else 1) for m, (a, o) in lin.items())
+    layers = max(1, s.layers)
+    linear_params = sum(m.numel for m in lin.values())
     table = s.vocab * s.hidden
     host_embeddings = gpu["offload_embeddings"] and not s.tied  # a table tied to lm_head stays on the GPU
-    other_params = (0 if host_embeddings else table) + (0 if s.tied else table) + (2 * s.layers + 1) * s.hidden
+    other_params = (0 if host_embeddings else table) + (0 if s.tied else table) + s.other_params()
     n = t.shards  # distributed: fsdp shards what follows over n processes; 1 otherwise
     # NF4 with FSDP: the packed 4-bit data is sharded, its quantisation constants (absmax) stay whole on every process
     nf4_local = 0.5 / n + NF4_BYTES[q.bnb_4bit_use_double_quant] - 0.5
     linear_bytes = linear_params * (nf4_local if q.load_in_4bit else act / n)
     weights = linear_bytes + other_params * act / n
 
-    targets = list(lin) if lo.target_modules == "all-linear" else [m for m in lo.target_modules if m in lin]
-    matrices = [n for m in targets for n in (lo.r * lin[m][0], lo.r * lin[m][1])]  # lora_A, lora_B of one layer
-    lora_params = s.layers * sum(matrices)
-    states = s.layers * sum(_state_bytes(gpu["optim"], n, on_gpu) for n in matrices)
+    targets = s.targets(lo.target_modules)
+    matrices = [n for m in targets.linears for a, o in m.shapes for n in (lo.r * a, lo.r * o)]  # every lora_A, lora_B
+    lora_params = sum(matrices)
+    states = sum(_state_bytes(gpu["optim"], n, on_gpu) for n in matrices)
     adapters = (lora_params * 8 + states) / n  # peft keeps adapters in fp32 (autocast_adapter_dtype): weight 4 + grad 4
     workspace = CUBLAS_WORKSPACE if on_gpu else 0
 
-    dropout = tokens * sum(lin[m][0] for m in targets) * (act + 1) if lo.lora_dropout > 0 else 0  # copy + mask
+    # a copy + mask of each adapted module's input, one layer's worth
+    dropout = tokens * sum(a for m in targets.linears for a, _ in m.shapes) / layers * (act + 1) if lo.lora_dropout > 0 else 0
     tiled = gpu["tiled_mlp"]
+    # normalised queries and keys (Qwen3, OLMo2): the norms' inputs and outputs, query- and key-sized
+    qk_norm = k["qk_norm"] * tokens * act * (s.heads * s.head_dim + kv) if s.arch is not None and s.arch.qk_norm else 0.0
     if t.gradient_checkpointing:
         kept = (2 if gpu["offload_activations"] else s.layers) * tokens * h * act
         nf4 = q.load_in_4bit
@@ -170,9 +199,9 @@ def estimate(cfg: RunConfig, s: Shapes, longest: int, on_gpu: bool, coef: dict |
                      + k["tile_i"] * shard * i * act)
         else:
             layer = tokens * act * (k["layer_h"] * h + k["layer_kv"] * kv + (k["layer_i"] + nf4 * k["nf4_i"]) * i)
-        layer += dropout
+        layer += dropout + qk_norm
         if nf4:  # bitsandbytes dequantizes the weight to compute the input gradient
-            layer += max(a * o for a, o in lin.values()) * act
+            layer += max(a * o for m in lin.values() for a, o in m.shapes) * act
     else:
         kept = s.layers * (tokens * act * (k["layer_h"] * h + k["layer_kv"] * kv + k["layer_i"] * i) + dropout)
         layer = 0.0
@@ -190,7 +219,7 @@ def estimate(cfg: RunConfig, s: Shapes, longest: int, on_gpu: bool, coef: dict |
     fsdp = t.distributed == "fsdp"
     if fsdp:  # FSDP2 all-gathers a layer's weights while it computes and prefetches the next unit's
         # (NF4 stored in the compute dtype: 0.5 byte per weight; LoRA and norms gathered in the compute dtype)
-        gathered_layer = linear_params / s.layers * (0.5 if q.load_in_4bit else act) + (2 * s.hidden + sum(matrices)) * act
+        gathered_layer = linear_params / layers * (0.5 if q.load_in_4bit else act) + (2 * s.hidden + sum(matrices) / layers) * act
         gathered_tail = table * act + s.hidden * act  # [final norm, lm_head] stay whole from the forward's end into backward
         # the last unit back-propagated, the input table (untied), is prefetched during the first layer's backward
         prefetched = max(gathered_layer, 0.0 if s.tied else table * act)
@@ -203,7 +232,7 @@ def estimate(cfg: RunConfig, s: Shapes, longest: int, on_gpu: bool, coef: dict |
     # run capped a few % above its peak allocated completes (bench/results/cap_check.json). What stays is slack.
     overhead = (k["slack_gib"] * GIB + k["slack"] * (kept + peak + mask)
                 + (0.0 if chunked else k["frag_logits"] * tokens * s.vocab)) if on_gpu else 0.0
-    paged = s.layers * sum(_state_bytes(gpu["optim"], n, on_gpu, paged=True) for n in matrices)
+    paged = sum(_state_bytes(gpu["optim"], n, on_gpu, paged=True) for n in matrices)
     shard = f", this process's 1/{n} shard" if fsdp else ""
     items = {
         "base weights" + (" (NF4 + 16-bit embeddings)" if q.load_in_4bit else "") + shard
@@ -221,6 +250,10 @@ def estimate(cfg: RunConfig, s: Shapes, longest: int, on_gpu: bool, coef: dict |
     }
     gib = {key: round(v / GIB, 4) for key, v in items.items()}
     return Estimate(gib, round(sum(items.values()) / GIB, 4), items)
+
+
+def _llama_style(s: Shapes) -> Architecture:
+    return Architecture("a Llama-style decoder", "?", s.linears(), 0, s.layers, False, s.tied)
 
 
 def _state_bytes(optim: str, numel: int, on_gpu: bool, paged: bool = False) -> float:

@@ -86,6 +86,8 @@ class PreflightResult:
     memory: MemoryReport | None = None
     probe: ProbeResult | None = None
     notes: list[str] = field(default_factory=list)
+    adapted: str = ""          # the modules LoRA adapts (as resolved against the model) and their parameter count
+    target_notes: list[str] = field(default_factory=list)  # requested names mapped onto fused modules
 
 
 def run(cfg: RunConfig, out_dir: Path, gpu_memory_gib: float | None = None) -> PreflightResult:
@@ -93,7 +95,9 @@ def run(cfg: RunConfig, out_dir: Path, gpu_memory_gib: float | None = None) -> P
     out_dir = Path(out_dir)
     with memory.track("preflight", out_dir) as meter:
         checks.before_training(cfg, out_dir)  # what the run would otherwise hit after training: trackers, disk, export tools
-        shapes = Shapes.from_config(json.loads((resolve_model_dir(cfg.model.name_or_path) / "config.json").read_text()))
+        model_dir = resolve_model_dir(cfg.model.name_or_path)
+        shapes = Shapes.from_config(json.loads((model_dir / "config.json").read_text()), cfg.model.trust_remote_code, str(model_dir))
+        targets = shapes.targets(cfg.lora.target_modules)  # names that match no module stop the run here, before any weights load
         tokenizer = load_tokenizer(cfg.model)
         lengths = scan_lengths(cfg, tokenizer)
         check_held_out(cfg, tokenizer)  # what merge, export and smoke will read: its problems stop the run now, not after training
@@ -128,7 +132,8 @@ def run(cfg: RunConfig, out_dir: Path, gpu_memory_gib: float | None = None) -> P
         fits = result_probe.ok if result_probe else est.total_gib <= usable
         suggestions = [] if fits else suggest(cfg, shapes, lengths, usable, on_gpu=on_gpu)
     result = PreflightResult(fits, device, round(budget, 3), round(usable, 3), est, lengths, suggestions,
-                             out_dir / "preflight.md", meter.report, probe=result_probe, notes=shapes.unknown)
+                             out_dir / "preflight.md", meter.report, probe=result_probe, notes=shapes.unknown,
+                             adapted=targets.summary(cfg.lora.r), target_notes=targets.notes)
     result.report_md.write_text(render(result, cfg))
     (out_dir / "preflight.json").write_text(json.dumps(memory.jsonable(result), indent=2, default=str))
     print(result.report_md.read_text())
@@ -372,6 +377,8 @@ def render(r: PreflightResult, cfg: RunConfig) -> str:
          if L.packed else f"Worst micro-batch: {cfg.training.per_device_train_batch_size} x {L.max} tokens (longest sample {L.longest_id}). ")
         + f"Lengths over {L.n_samples} samples: p50 {L.p50}, p95 {L.p95}, p99 {L.p99}, max {L.max}. "
         f"Truncated: {len(L.truncated)}, dropped: {len(L.dropped)}.",
+        "",
+        f"LoRA adapts {r.adapted}." + "".join(f" {n}." for n in r.target_notes),
         "",
         "| item | GiB |",
         "|---|---|",

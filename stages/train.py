@@ -35,6 +35,8 @@ import json
 import os
 import sys
 import time
+import traceback
+import weakref
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -76,9 +78,6 @@ class TrainResult:
     adapter_step: int | None = None       # the step the adapter in adapter_dir is from (best_step with training.load_best)
 
 
-MAX_OOM_RETRIES = 2  # each halves the micro-batch (packed: the token budget) and doubles accumulation
-
-
 class TrainOOMError(UserError, RuntimeError):
     """CUDA ran out of memory and halving the micro-batch did not help (or cannot)."""
 
@@ -88,7 +87,9 @@ def run(cfg: RunConfig, out_dir: Path, *, inject_oom_at: int | None = None) -> T
 
     On a CUDA out-of-memory error: write <out_dir>/oom-postmortem-<n>.json, then resume from
     the last checkpoint with half the micro-batch (packed: half the token budget) and twice the
-    accumulation (the same effective batch and optimizer step), up to MAX_OOM_RETRIES times.
+    accumulation (the same effective batch and optimizer step), up to training.oom_retries times.
+    Nothing of the failed attempt (model, optimizer, batches, the traceback's frames) is left
+    when the model is built again; the recovery record says so (previous_attempt_freed).
 
     Args:
         inject_oom_at: test hook; raise torch.OutOfMemoryError when optimizer step N begins
@@ -138,40 +139,15 @@ def run(cfg: RunConfig, out_dir: Path, *, inject_oom_at: int | None = None) -> T
                 if resume:
                     print(f"train: resuming from {resume}")
                 t0 = time.perf_counter()
+                report = None
                 try:
                     trainer.train(resume_from_checkpoint=str(resume) if resume else None)
-                    break
                 except torch.OutOfMemoryError as e:
                     report = postmortem(e, attempt_cfg, trainer, model, collator, out_dir / f"oom-postmortem-{len(recoveries) + 1}.json")
-                    release(trainer)
-                    del trainer, model
-                    memory.free_gpu()
-                    if attempt_cfg.training.fit == "speed":
-                        # the measured fit was too tight: checkpoint every layer before touching the batch
-                        attempt_cfg = attempt_cfg.model_copy(update={"training": attempt_cfg.training.model_copy(update={"fit": "memory"})})
-                        recoveries.append({"step": report["step"], "postmortem": report["path"], "fit": "memory"})
-                        print(f"train: CUDA OOM at step {report['step']} with fit: speed; post-mortem {report['path']}; resuming with fit: memory")
-                        continue
-                    smaller = halve_micro_batch(attempt_cfg, packed, longest)
-                    if len(recoveries) >= MAX_OOM_RETRIES or smaller is None:
-                        what = f"{plan.tokens_per_micro_batch}-token packed micro-batches" if packed else \
-                            f"micro-batch {attempt_cfg.training.per_device_train_batch_size}"
-                        raise TrainOOMError(
-                            f"CUDA out of memory at step {report['step']} with {what} (rows {report['batch']['ids'][:4]}); "
-                            f"{'no smaller micro-batch is possible' if smaller is None else f'{MAX_OOM_RETRIES} retries used'}. "
-                            f"Post-mortem: {report['path']}. Run the preflight with this budget to get a change that fits."
-                        ) from e
-                    attempt_cfg = smaller
-                    t = attempt_cfg.training
-                    recoveries.append({"step": report["step"], "postmortem": report["path"],
-                                       "resumed_from": str(last_checkpoint(out_dir / "checkpoints")),
-                                       "per_device_train_batch_size": t.per_device_train_batch_size,
-                                       "gradient_accumulation_steps": t.gradient_accumulation_steps}
-                                      | ({"max_tokens_per_batch": t.max_tokens_per_batch} if packed else {}))
-                    print(f"train: CUDA OOM at step {report['step']}{' during eval' if report['phase'] == 'eval' else ''}; post-mortem "
-                          f"{report['path']}; resuming with "
-                          + (f"{t.max_tokens_per_batch}-token micro-batches" if packed else f"micro-batch {t.per_device_train_batch_size}")
-                          + f" x accumulation {t.gradient_accumulation_steps}")
+                    # The traceback keeps every frame of the failed step alive (the Trainer's loop with its model,
+                    # optimizer and batches; the forward's activations), and a frame that re-raised holds the
+                    # exception in a cycle only the collector breaks: their locals go now, before the rebuild.
+                    traceback.clear_frames(e.__traceback__)
                 except RuntimeError as e:
                     if is_dataloader_shm_error(e):
                         raise RuntimeError(
@@ -179,6 +155,45 @@ def run(cfg: RunConfig, out_dir: Path, *, inject_oom_at: int | None = None) -> T
                             "keep dataloader workers at 0 or give the container more /dev/shm (docker --shm-size)"
                         ) from e
                     raise
+                if report is None:
+                    break
+                # Here, outside the except block, the exception is gone; then the attempt itself.
+                failed = [weakref.ref(x) for x in (model, trainer.optimizer) if x is not None]
+                release(trainer)
+                del trainer, model
+                memory.free_gpu()
+                freed = {"previous_attempt_freed": all(r() is None for r in failed)} | {
+                    k: round(v, 4) for k, v in memory.stats().items() if k in ("alloc_gib", "reserved_gib")}
+                if not freed["previous_attempt_freed"]:
+                    print(f"train: WARNING: the failed attempt is still reachable ({_holders(failed)}); the rebuild may run out too")
+                report |= freed
+                t = attempt_cfg.training
+                if t.fit == "speed":
+                    # the measured fit was too tight: checkpoint every layer before touching the batch
+                    attempt_cfg = attempt_cfg.model_copy(update={"training": t.model_copy(update={"fit": "memory"})})
+                    recoveries.append({"step": report["step"], "postmortem": report["path"], "fit": "memory"} | freed)
+                    print(f"train: CUDA OOM at step {report['step']} with fit: speed; post-mortem {report['path']}; resuming with fit: memory")
+                    continue
+                smaller = halve_micro_batch(attempt_cfg, packed, longest)
+                if len(recoveries) >= t.oom_retries or smaller is None:
+                    what = f"{plan.tokens_per_micro_batch}-token packed micro-batches" if packed else f"micro-batch {t.per_device_train_batch_size}"
+                    why = ("no smaller micro-batch is possible" if smaller is None else
+                           f"training.oom_retries is {t.oom_retries}" if not recoveries else f"{t.oom_retries} retries used")
+                    raise TrainOOMError(
+                        f"CUDA out of memory at step {report['step']} with {what} (rows {report['batch']['ids'][:4]}); {why}. "
+                        f"Post-mortem: {report['path']}. Run the preflight with this budget to get a change that fits."
+                    )
+                attempt_cfg = smaller
+                t = attempt_cfg.training
+                recoveries.append({"step": report["step"], "postmortem": report["path"],
+                                   "resumed_from": str(last_checkpoint(out_dir / "checkpoints")),
+                                   "per_device_train_batch_size": t.per_device_train_batch_size,
+                                   "gradient_accumulation_steps": t.gradient_accumulation_steps}
+                                  | ({"max_tokens_per_batch": t.max_tokens_per_batch} if packed else {}) | freed)
+                print(f"train: CUDA OOM at step {report['step']}{' during eval' if report['phase'] == 'eval' else ''}; post-mortem "
+                      f"{report['path']}; {freed.get('alloc_gib', 0):.2f} GiB still allocated after freeing the attempt; resuming with "
+                      + (f"{t.max_tokens_per_batch}-token micro-batches" if packed else f"micro-batch {t.per_device_train_batch_size}")
+                      + f" x accumulation {t.gradient_accumulation_steps}")
             wall = time.perf_counter() - t0
             # FSDP: every process hands in its shards of the adapter (with training.load_best, of the best
             # checkpoint, which the Trainer has loaded back by now); process 0 writes it, whole, once
@@ -225,6 +240,14 @@ def run(cfg: RunConfig, out_dir: Path, *, inject_oom_at: int | None = None) -> T
         tracker.finish(result.steps, [result.loss_png, result.memory_png, out_dir / "eval_loss.jsonl", done],
                        {k: getattr(result, k) for k in ("final_loss", "tokens_per_s", "best_step", "best_eval_loss", "stopped_early", "adapter_step")})
     return result
+
+
+def _holders(refs: list) -> str:
+    """What still refers to a failed attempt's objects (for the warning that says the rebuild may not fit)."""
+    import gc
+
+    alive = [r() for r in refs if r() is not None]
+    return "; ".join(f"{type(x).__name__} held by " + ", ".join(sorted({type(h).__name__ for h in gc.get_referrers(x)})[:6]) for x in alive)
 
 
 def _describe(plan: batches.Plan, cfg: RunConfig) -> str:

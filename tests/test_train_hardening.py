@@ -49,6 +49,38 @@ def test_injected_oom_writes_a_postmortem_and_resumes_with_half_the_micro_batch(
     assert json.loads((tmp_path / "train" / "memory.json").read_text())["extra"]["oom_recoveries"][0]["step"] == 5
 
 
+def test_nothing_of_the_failed_attempt_is_alive_when_the_model_is_built_again(tmp_path, monkeypatch):
+    """The OOM recovery frees the failed attempt before the rebuild: on a GPU the old model still allocated made
+    the rebuild itself run out of memory. Weak references to the failed model, its optimizer and dataloader
+    must be dead when build_model is called again, without the test collecting anything."""
+    built, checked = [], []
+    real = train.build_model
+
+    def build(*a, **kw):
+        if built:
+            alive = [k for k, ref in hf_trainer.InjectOOM.failed.items() if ref() is not None]
+            checked.append(alive)
+        model = real(*a, **kw)
+        # On a GPU Liger binds the model's forward to it (and the tiled MLP closes over each MLP): the model sits in
+        # reference cycles that only the collector frees. Made here too, so that this CPU test sees what a GPU run does.
+        model.cycle = [model]
+        built.append(type(model).__name__)
+        return model
+
+    monkeypatch.setattr(train, "build_model", build)
+    cfg = load_config(write_config(tmp_path, training=SHORT | {"max_steps": 6, "packing": "off"}))
+    r = train.run(cfg, tmp_path / "train", inject_oom_at=3)
+    assert len(built) == 2 and sorted(hf_trainer.InjectOOM.failed) == ["model", "optimizer", "train_dataloader"]
+    assert checked == [[]], f"still alive at the rebuild: {checked}"
+    assert r.steps == 6 and r.oom_recoveries[0]["previous_attempt_freed"] is True
+
+
+def test_oom_retries_zero_stops_at_the_first_oom(tmp_path):
+    cfg = load_config(write_config(tmp_path, training=SHORT | {"packing": "off", "oom_retries": 0}))
+    with pytest.raises(train.TrainOOMError, match=r"step 3 with micro-batch 8 .*training.oom_retries is 0.*oom-postmortem-1.json"):
+        train.run(cfg, tmp_path / "train", inject_oom_at=3)
+
+
 def test_oom_at_micro_batch_one_gives_up_with_the_postmortem(tmp_path):
     cfg = load_config(write_config(tmp_path, training=SHORT | {"per_device_train_batch_size": 1, "packing": "off"}))
     with pytest.raises(train.TrainOOMError, match=r"step 3 with micro-batch 1 .*no smaller micro-batch.*oom-postmortem-1.json"):

@@ -1,0 +1,337 @@
+"""The estimate as a card size: the whole train stage capped at it completes, capped 5% lower it fails (issue 21).
+
+    python3 bench/capped_grid.py need --rows F1 F2 ... --out $OUT/need.json --parallel 4 --max-seconds 420
+    python3 bench/capped_grid.py validate --rows all --out $OUT/validate.json --parallel 4 --max-seconds 480
+    python3 bench/capped_grid.py validate --rows T1 T2 --out /tmp/v.json --cpu      # CPU dry run of the plumbing
+
+Each row is a user's run: a random-init checkpoint of a real model's shapes (memory depends on
+shapes, not values) with the tiny default's tokenizer, a JSONL file of long-tailed lengths
+(log-normal, a few samples over data.max_length, truncated to it), every training default
+(packed or padded as the row says, Liger, offloads, 8-bit paged AdamW), 20 optimizer steps with an
+eval every 10 and checkpoints, through the stage's own entry points (`stages.preflight.run`, then
+`stages.train.run`) in one process per row, the process capped with
+`torch.cuda.set_per_process_memory_fraction`. `training.oom_retries: 0`, so an OOM fails the row
+instead of being recovered.
+
+  need      the smallest cap the whole stage completes under: one uncapped run (peak allocated A, peak
+            reserved R), then a bisection of the cap between A and R (R always completes: an uncapped run
+            never reserved more). `need_gib` is the smallest cap seen completing, `fail_gib` the largest
+            seen failing. These rows fit the estimate's allocator terms (bench/fit_capped.py).
+  validate  the preflight's estimate E (probe off: the estimate is what is checked here); the stage capped
+            at E must complete and capped at 0.95 E must fail.
+
+Rows run `--parallel` at a time, one process each (their own CUDA context and allocator); a row's line is
+appended to <out>.jsonl as it ends, so a call stopped by its time limit keeps what it measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+
+QVO = ["q_proj", "v_proj", "o_proj"]
+# Shapes of real models (config.json values), beside bench/preflight_grid.py's SHAPES.
+NEW_SHAPES = {
+    # q/k-norm attention, tied 152k table, 2:1 GQA, head_dim 128 (Qwen3-1.7B)
+    "qwen3-1.7b": dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], hidden_size=2048, intermediate_size=6144,
+                       num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                       max_position_embeddings=40960, rope_theta=1e6, tie_word_embeddings=True),
+    # Qwen3-4B: width 2560, 36 layers, 4:1 GQA
+    "qwen3-4b": dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], hidden_size=2560, intermediate_size=9728,
+                     num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                     max_position_embeddings=40960, rope_theta=1e6, tie_word_embeddings=True),
+    # fused qkv_proj and gate_up_proj, untied 32k, no GQA (Phi-3-mini)
+    "phi3-mini": dict(model_type="phi3", architectures=["Phi3ForCausalLM"], hidden_size=3072, intermediate_size=8192,
+                      num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32, vocab_size=32064,
+                      max_position_embeddings=4096, rope_theta=10000.0, tie_word_embeddings=False, pad_token_id=0),
+    # fused, tied 200k table, 3:1 GQA, partial rotary (Phi-4-mini)
+    "phi4-mini": dict(model_type="phi3", architectures=["Phi3ForCausalLM"], hidden_size=3072, intermediate_size=8192,
+                      num_hidden_layers=32, num_attention_heads=24, num_key_value_heads=8, vocab_size=200064,
+                      max_position_embeddings=131072, rope_theta=10000.0, partial_rotary_factor=0.75, tie_word_embeddings=True,
+                      pad_token_id=0),
+    # q/k norms over the whole projection, untied 100k table, no GQA (OLMo-2-1B)
+    "olmo2-1b": dict(model_type="olmo2", architectures=["Olmo2ForCausalLM"], hidden_size=2048, intermediate_size=8192,
+                     num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=16, vocab_size=100352,
+                     max_position_embeddings=4096, rope_theta=500000.0, tie_word_embeddings=False, pad_token_id=1),
+    # Llama-3.2-1B: tied 128k, 4:1 GQA, head_dim 64
+    "llama-1b": dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=2048, intermediate_size=8192,
+                     num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, head_dim=64, vocab_size=128256,
+                     max_position_embeddings=131072, rope_theta=5e5, tie_word_embeddings=True),
+    # SmolLM2-1.7B: tied 49k, no GQA
+    "smollm2-1.7b": dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=2048, intermediate_size=8192,
+                         num_hidden_layers=24, num_attention_heads=32, num_key_value_heads=32, vocab_size=49152,
+                         max_position_embeddings=8192, rope_theta=130000.0, tie_word_embeddings=True),
+    # Qwen2.5-3B: tied 152k, 8:1 GQA
+    "qwen2.5-3b": dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], hidden_size=2048, intermediate_size=11008,
+                       num_hidden_layers=36, num_attention_heads=16, num_key_value_heads=2, vocab_size=151936,
+                       max_position_embeddings=32768, rope_theta=1e6, tie_word_embeddings=True),
+    # CPU dry runs
+    "tiny-qk": dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=1000, tie_word_embeddings=True),
+    "tiny-fused": dict(model_type="phi3", architectures=["Phi3ForCausalLM"], hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=4, vocab_size=1000, tie_word_embeddings=False, pad_token_id=0),
+}
+
+# name: (shape, quant, packing, max_length, micro-batch, r, targets). F rows: the shapes the allocator terms are fitted on;
+# H rows: shapes never fitted on (held out); T rows: CPU dry run.
+ROWS = {
+    "F1": ("qwen2.5-1.5b", "bf16", "off", 2048, 4, 64, QVO),
+    "F2": ("qwen2.5-1.5b", "nf4", "on", 4096, 4, 64, QVO),
+    "F3": ("llama-3b", "nf4", "off", 4096, 2, 64, QVO),
+    "F4": ("llama-3b", "bf16", "on", 2048, 4, 64, QVO),
+    "F5": ("qwen3-1.7b", "bf16", "off", 4096, 2, 64, QVO),
+    "F6": ("qwen3-1.7b", "nf4", "on", 2048, 8, 64, QVO),
+    "F7": ("phi3-mini", "nf4", "off", 2048, 4, 64, QVO),
+    "F8": ("phi3-mini", "bf16", "on", 4096, 2, 64, QVO),
+    "F9": ("smollm2-1.7b", "bf16", "off", 4096, 2, 16, "all-linear"),
+    "F10": ("olmo2-1b", "nf4", "on", 4096, 2, 64, QVO),
+    "F11": ("qwen2.5-3b", "nf4", "off", 2048, 4, 64, QVO),
+    "F12": ("llama-3b", "nf4", "on", 4096, 4, 16, "all-linear"),
+    "H1": ("qwen3-4b", "nf4", "off", 2048, 4, 64, QVO),
+    "H2": ("qwen3-4b", "bf16", "on", 4096, 2, 64, QVO),
+    "H3": ("phi4-mini", "nf4", "on", 4096, 2, 64, QVO),
+    "H4": ("phi4-mini", "bf16", "off", 2048, 2, 64, QVO),
+    "H5": ("llama-1b", "bf16", "off", 4096, 4, 64, QVO),
+    "H6": ("llama-1b", "nf4", "on", 2048, 8, 32, "all-linear"),
+    "H7": ("mistral-7b", "nf4", "on", 4096, 2, 64, QVO),
+    "H8": ("qwen2.5-0.5b", "bf16", "on", 4096, 4, 64, QVO),
+    "H9": ("smollm2-360m", "nf4", "off", 4096, 4, 64, QVO),
+    "H10": ("olmo2-1b", "bf16", "off", 2048, 4, 64, QVO),
+    "H11": ("qwen2-7b", "nf4", "off", 2048, 2, 64, QVO),
+    "H12": ("qwen3-1.7b", "nf4", "off", 4096, 4, 32, "all-linear"),
+    "T1": ("tiny-qk", "bf16", "on", 256, 4, 8, QVO),
+    "T2": ("tiny-fused", "bf16", "off", 128, 4, 8, QVO),
+}
+STEPS, EVAL_EVERY = 20, 10
+BELOW = 0.95  # validate: the stage capped at this fraction of the estimate must run out
+
+
+def shapes() -> dict:
+    from preflight_grid import SHAPES
+
+    return SHAPES | NEW_SHAPES
+
+
+def make_data(root: Path, max_length: int, micro_batch: int, packed: bool, seed: int = 0) -> tuple[Path, Path]:
+    """Train and eval JSONL of long-tailed lengths (log-normal, median max_length / 6), 3% over max_length
+    (truncated to it by the policy), enough samples for STEPS optimizer steps of full micro-batches."""
+    from stages.config import ModelSection
+    from stages.modelio import load_tokenizer
+
+    out = root / f"data-{max_length}-{micro_batch}-{'packed' if packed else 'padded'}"
+    train, held = out / "train.jsonl", out / "eval.jsonl"
+    if train.is_file():
+        return train, held
+    out.mkdir(parents=True, exist_ok=True)
+    tok = load_tokenizer(ModelSection(name_or_path=str(REPO / "assets" / "tiny-llama")))
+    words = "sun moon cat bird dog red green blue river stone light rain tree house road book".split()
+    rng = random.Random(seed)
+    sample = " ".join(rng.choice(words) for _ in range(2000))
+    per_word = len(tok(sample, add_special_tokens=False)["input_ids"]) / 2000
+
+    def record(tokens: int) -> dict:
+        n = max(4, int(tokens / per_word))
+        text = [rng.choice(words) for _ in range(n)]
+        cut = max(1, int(0.3 * n))
+        return {"prompt": " ".join(text[:cut]), "completion": " ".join(text[cut:])}
+
+    def lengths(total_tokens: int) -> list[int]:
+        out, got = [], 0
+        while got < total_tokens:
+            n = max_length + 64 if rng.random() < 0.03 else int(min(max_length, math.exp(rng.gauss(math.log(max_length / 6), 0.9))))
+            out.append(max(16, n))
+            got += min(out[-1], max_length)
+        return out
+
+    # packed: every micro-batch is a full budget of tokens; padded: micro-batch samples each
+    need = STEPS * micro_batch * max_length if packed else STEPS * micro_batch * max_length // 3
+    train_lengths = lengths(need) if packed else [max(16, int(min(max_length, math.exp(rng.gauss(math.log(max_length / 6), 0.9)))))
+                                                  for _ in range(STEPS * micro_batch)]
+    if not packed:  # the longest sample in every few micro-batches, as long-tailed data has it over an epoch
+        for i in range(0, len(train_lengths), 4 * micro_batch):
+            train_lengths[i] = max_length + 64
+    train.write_text("".join(json.dumps(record(n)) + "\n" for n in train_lengths))
+    held.write_text("".join(json.dumps(record(n)) + "\n" for n in lengths(4 * max_length)[:24]))
+    return train, held
+
+
+def row_config(name: str, model_dir: Path, train: Path, held: Path, work: Path, cpu: bool):
+    from stages.config import RunConfig
+
+    shape, quant, packing, max_length, mb, r, targets = ROWS[name]
+    return RunConfig.model_validate({
+        "model": {"name_or_path": str(model_dir)},
+        "data": {"train_file": str(train), "eval_file": str(held), "max_length": max_length, "long_sample_policy": "truncate",
+                 "num_proc": 1},
+        "lora": {"r": r, "lora_alpha": 32, "target_modules": targets, "lora_dropout": 0.05},
+        "quantization": {"load_in_4bit": quant == "nf4"},
+        # every memory setting at its default; only the run's length and the failure mode are the bench's
+        "training": {"per_device_train_batch_size": mb, "packing": packing, "max_steps": STEPS, "eval_steps": EVAL_EVERY,
+                     "save_steps": EVAL_EVERY, "logging_steps": 5, "oom_retries": 0, "learning_rate": 1e-4},
+        "preflight": {"probe": False},
+        "smoke": {"check": "stops", "max_prompts": 4},
+        "export": {"fidelity": {"samples": 4}},
+        "handoff": {"model_name": "bench"},
+        "artifacts_dir": str(work / "artifacts"),
+    })
+
+
+def trial(cfg, out: Path, cap_gib: float | None) -> dict:
+    """The train stage under a cap (None: uncapped); what it peaked at, and whether it completed."""
+    import gc
+    import traceback
+
+    import torch
+
+    from stages import memory, train
+    from stages.memory import GIB
+
+    cuda = torch.cuda.is_available()
+    memory.free_gpu()
+    if cuda:
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, cap_gib * GIB / total) if cap_gib else 1.0)
+    t0 = time.perf_counter()
+    row = {"cap_gib": round(cap_gib, 4) if cap_gib else None}
+    try:
+        r = train.run(cfg, out)
+        row |= {"ok": True, "steps": r.steps, "evals": len(r.eval_curve), "tokens_per_s": r.tokens_per_s}
+    except Exception as e:  # the OOM a cap causes (TrainOOMError), or anything else: recorded, the row goes on
+        row |= {"ok": False, "error": f"{type(e).__name__}: {str(e)[:240]}"}
+        traceback.clear_frames(e.__traceback__)
+        del e
+    finally:
+        gc.collect()
+        if cuda:
+            torch.cuda.set_per_process_memory_fraction(1.0)
+    mem = json.loads((out / "memory.json").read_text()) if (out / "memory.json").is_file() else {}
+    row |= {k: mem.get(k) for k in ("peak_alloc_gib", "peak_reserved_gib")} | {"seconds": round(time.perf_counter() - t0, 1)}
+    memory.free_gpu()
+    if cuda:
+        row["left_alloc_gib"] = round(torch.cuda.memory_allocated() / GIB, 4)
+    return row
+
+
+def run_row(mode: str, name: str, work: Path, cpu: bool, deadline: float) -> dict:
+    import torch
+
+    from preflight_grid import make_checkpoint
+
+    from stages import memory_model, preflight
+
+    shape, quant, packing, max_length, mb, r, targets = ROWS[name]
+    model_dir = make_checkpoint(shape, work / "models", shapes())
+    train_file, held = make_data(work, max_length, mb, packing == "on")
+    row_dir = work / "rows" / name
+    cfg = row_config(name, model_dir, train_file, held, row_dir, cpu)
+    spec = {"name": name, "shape": shape, "quant": quant, "packing": packing, "max_length": max_length, "micro_batch": mb,
+            "r": r, "targets": targets, "held_out": name.startswith("H"), "config_json": json.loads((model_dir / "config.json").read_text())}
+    pre = preflight.run(cfg, row_dir / "preflight")
+    est = pre.estimate.total_gib
+    spec |= {"estimate_gib": est, "estimate_items": pre.estimate.items_gib, "longest": pre.lengths.max,
+             "worst_batch_tokens": pre.lengths.worst_batch_tokens, "packed": pre.lengths.packed, "n_samples": pre.lengths.n_samples,
+             "targets_resolved": memory_model.Shapes.from_config(spec["config_json"]).targets(targets).summary(r)}
+    trials = []
+
+    def go(cap):
+        t = trial(cfg, row_dir / f"train-{len(trials)}", cap)
+        trials.append(t)
+        print(name, json.dumps(t), flush=True)
+        return t
+
+    if not torch.cuda.is_available():  # CPU: the plumbing only
+        go(None)
+        return spec | {"trials": trials}
+    if mode == "validate":
+        at = go(est)
+        below = go(BELOW * est) if time.time() < deadline else None
+        return spec | {"trials": trials, "completes_at_estimate": at["ok"], "fails_below": None if below is None else not below["ok"]}
+    free = go(None)
+    lo, hi = free["peak_alloc_gib"], free["peak_reserved_gib"]
+    fail, need = None, hi
+    for _ in range(4):
+        if time.time() > deadline or hi - lo < 0.01 * hi:  # 1% is finer than the +5% window the estimate must land in
+            break
+        mid = (lo + hi) / 2
+        if go(mid)["ok"]:
+            hi = need = mid
+        else:
+            lo = fail = mid
+    return spec | {"trials": trials, "alloc_gib": free["peak_alloc_gib"], "reserved_gib": free["peak_reserved_gib"],
+                   "need_gib": round(need, 4), "fail_gib": round(fail, 4) if fail else None}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("mode", choices=["need", "validate"])
+    ap.add_argument("--rows", nargs="+", required=True, help="row names, or all (every F and H row)")
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--work", type=Path, default=Path("/tmp/capped-grid"))
+    ap.add_argument("--parallel", type=int, default=4)
+    ap.add_argument("--max-seconds", type=float, default=420)
+    ap.add_argument("--cpu", action="store_true", help="CPU dry run (no caps)")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--deadline", type=float, help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    rows = [n for n in ROWS if n[0] in "FH"] if a.rows == ["all"] else a.rows
+    lines = a.out.with_suffix(".jsonl")
+    if a.child:
+        try:
+            result = run_row(a.mode, a.child, a.work, a.cpu, a.deadline)
+        except Exception as e:
+            import traceback
+
+            result = {"name": a.child, "error": f"{type(e).__name__}: {str(e)[:400]}", "traceback": traceback.format_exc()[-2000:]}
+        with lines.open("a") as f:
+            f.write(json.dumps(result) + "\n")
+        return
+    deadline = time.time() + a.max_seconds
+    # the checkpoints first, one per shape, so parallel rows never write the same model
+    import torch
+    from preflight_grid import make_checkpoint
+
+    t0 = time.perf_counter()
+    made = {}
+    for shape in dict.fromkeys(ROWS[n][0] for n in rows):
+        s = time.perf_counter()
+        make_checkpoint(shape, a.work / "models", shapes())
+        made[shape] = round(time.perf_counter() - s, 1)
+    print(f"checkpoints: {made}", flush=True)
+    env = os.environ | {"OMP_NUM_THREADS": "2", "TOKENIZERS_PARALLELISM": "false"}
+
+    def child(name: str) -> int:
+        if time.time() > deadline:
+            return -1
+        cmd = [sys.executable, __file__, a.mode, "--rows", name, "--out", str(a.out), "--work", str(a.work), "--child", name,
+               "--deadline", str(deadline)] + (["--cpu"] if a.cpu else [])
+        with (a.work / f"{name}.log").open("w") as log:
+            try:
+                return subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=max(30, deadline - time.time() + 90)).returncode
+            except subprocess.TimeoutExpired:
+                return -2
+
+    with concurrent.futures.ThreadPoolExecutor(a.parallel) as pool:
+        codes = dict(zip(rows, pool.map(child, rows), strict=True))
+    results = [json.loads(x) for x in lines.read_text().splitlines()] if lines.is_file() else []
+    a.out.write_text(json.dumps({"mode": a.mode, "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+                                 "torch": torch.__version__, "checkpoint_seconds": made, "exit_codes": codes,
+                                 "wall_s": round(time.perf_counter() - t0, 1), "rows": results}, indent=1))
+    for r in results:
+        keep = ("need_gib", "fail_gib", "alloc_gib", "reserved_gib", "estimate_gib", "completes_at_estimate", "fails_below", "error")
+        print(r.get("name"), {k: r.get(k) for k in keep if k in r})
+
+
+if __name__ == "__main__":
+    main()
