@@ -181,7 +181,7 @@ def row_config(name: str, model_dir: Path, train: Path, held: Path, work: Path, 
         "training": {"per_device_train_batch_size": mb, "packing": packing, "max_steps": STEPS, "eval_steps": EVAL_EVERY,
                      "save_steps": EVAL_EVERY, "logging_steps": 5, "oom_retries": 0, "learning_rate": 1e-4},
         "preflight": {"probe": False},
-        "smoke": {"check": "stops", "max_prompts": 4},
+        "smoke": {"check": "stops", "max_prompts": 4, "n_ctx": 2 * max_length + 128},  # held-out prompts are as long as training's
         "export": {"fidelity": {"samples": 4}},
         "handoff": {"model_name": "bench"},
         "artifacts_dir": str(work / "artifacts"),

@@ -29,6 +29,8 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
 STEPS, LONG_STEP, SAVE = 30, 18, 4
+LONG = 6144  # the late sample is written longer and truncated to exactly this (--long-tokens)
+LONG_TOKENS = [LONG]
 
 
 def write_data(path: Path, long_tokens: int) -> None:
@@ -42,7 +44,7 @@ def write_data(path: Path, long_tokens: int) -> None:
         return {"prompt": " ".join(t[: n // 3]), "completion": " ".join(t[n // 3:])}
 
     lengths = [rng.randint(300, 900) for _ in range(4 * STEPS)]
-    lengths[4 * (LONG_STEP - 1)] = long_tokens
+    lengths[4 * (LONG_STEP - 1)] = 2 * long_tokens
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(rec(n)) + "\n" for n in lengths))
 
@@ -52,7 +54,7 @@ def config(model_dir: Path, data: Path, work: Path, micro_batch: int):
 
     return RunConfig.model_validate({
         "model": {"name_or_path": str(model_dir)},
-        "data": {"train_file": str(data), "max_length": 8192, "num_proc": 1},
+        "data": {"train_file": str(data), "max_length": LONG_TOKENS[0], "long_sample_policy": "truncate", "num_proc": 1},
         "lora": {"r": 64, "lora_alpha": 32, "target_modules": ["q_proj", "v_proj", "o_proj"], "lora_dropout": 0.0},
         "training": {"per_device_train_batch_size": micro_batch, "gradient_accumulation_steps": 4 // micro_batch, "packing": "off",
                      "train_sampling_strategy": "sequential", "max_steps": STEPS, "save_steps": SAVE, "logging_steps": 1,
@@ -72,7 +74,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--shape", default="qwen2.5-1.5b")
     ap.add_argument("--work", type=Path, default=Path("/tmp/oom-recovery"))
-    ap.add_argument("--long-tokens", type=int, default=6144)
+    ap.add_argument("--long-tokens", type=int, default=LONG)
     a = ap.parse_args()
     import torch
     from capped_grid import shapes, trial
@@ -80,11 +82,14 @@ def main() -> None:
 
     model_dir = make_checkpoint(a.shape, a.work / "models", shapes())
     data = a.work / "data" / "train.jsonl"
+    LONG_TOKENS[0] = a.long_tokens
     write_data(data, a.long_tokens)
     runs = {}
     t0 = time.perf_counter()
     runs["half"] = trial(config(model_dir, data, a.work / "half", 2), a.work / "half" / "train", None)
     runs["full"] = trial(config(model_dir, data, a.work / "full", 4), a.work / "full" / "train", None)
+    if any(not r["ok"] for r in runs.values()):
+        raise SystemExit(json.dumps(runs))
     if not torch.cuda.is_available():  # CPU dry run: the two uncapped runs only
         print(json.dumps(runs, indent=1), {k: losses(a.work / k / "train") for k in runs})
         return
