@@ -1,0 +1,55 @@
+"""The estimate against the capped runs' need (CPU): recomputes every row's estimate with the committed code
+(or with --coef overrides) from the row's config.json and settings, and prints estimate / need.
+
+    python bench/fit_capped.py bench/results/capped/need_run*.json [--coef slack=0.02 slack_gib=0.07]
+    python bench/fit_capped.py bench/results/capped/validate_run*.json --table     # the docs/preflight.md table
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+
+
+def recompute(row: dict, coef: dict | None = None) -> tuple[float, float]:
+    """(estimate, allocation part) for a grid row, with the code as it is now."""
+    from capped_grid import ROWS, row_config
+
+    from stages import memory_model
+
+    cfg = row_config(row["name"], Path("m"), Path("t.jsonl"), Path("e.jsonl"), Path("/tmp/w"), False)
+    if tuple(ROWS[row["name"]][:5]) != (row["shape"], row["quant"], row["packing"], row["max_length"], row["micro_batch"]):
+        raise SystemExit(f"row {row['name']} changed since it was measured")
+    est = memory_model.estimate(cfg, memory_model.Shapes.from_config(row["config_json"]), row["longest"], on_gpu=True, coef=coef)
+    overhead = next(v for k, v in est.items_gib.items() if k.startswith("allocator"))
+    return est.total_gib, est.total_gib - overhead
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("files", nargs="+", type=Path)
+    ap.add_argument("--coef", nargs="*", default=[], help="NAME=VALUE overrides of memory_model.COEF")
+    a = ap.parse_args()
+    coef = {k: float(v) for k, v in (x.split("=") for x in a.coef)}
+    rows = [r for f in a.files for r in json.loads(f.read_text())["rows"] if "error" not in r]
+    for r in sorted(rows, key=lambda r: (r["name"][0], int(r["name"][1:]))):
+        est, alloc = recompute(r, coef)
+        if "need_gib" in r:
+            print(f"{r['name']:4} {r['shape']:13} {r['quant']} {r['packing']:3} {r['max_length']}x{r['micro_batch']} "
+                  f"alloc model {alloc / r['alloc_gib'] - 1:+.3f}  need {r['need_gib']:.3f} (fails {r['fail_gib']})  "
+                  f"estimate {est:.3f} = {est / r['need_gib']:.3f} x need, {est / (r['fail_gib'] or r['alloc_gib']):.3f} x failing cap")
+        else:
+            t = r.get("trials", [])
+            print(f"{r['name']:4} {r['shape']:13} {r['quant']} {r['packing']:3} {r['max_length']}x{r['micro_batch']} estimate at run "
+                  f"{r['estimate_gib']:.3f} now {est:.3f}; at estimate: {r.get('completes_at_estimate')}, at 0.95x fails: {r.get('fails_below')}; "
+                  f"peak alloc {t[0].get('peak_alloc_gib') if t else None}")
+
+
+if __name__ == "__main__":
+    main()
