@@ -111,6 +111,9 @@ ROWS = {
     "H10": ("olmo2-1b", "bf16", "off", 2048, 4, 64, QVO),
     "H11": ("qwen2-7b", "nf4", "off", 2048, 2, 64, QVO),
     "H12": ("qwen3-1.7b", "nf4", "off", 4096, 4, 32, "all-linear"),
+    "H13": ("qwen2.5-0.5b", "nf4", "off", 2048, 8, 64, QVO),
+    "H14": ("llama-1b", "bf16", "on", 4096, 4, 16, "all-linear"),
+    "H15": ("smollm2-360m", "bf16", "on", 4096, 4, 64, QVO),
     "T1": ("tiny-qk", "bf16", "on", 256, 4, 8, QVO),
     "T2": ("tiny-fused", "bf16", "off", 128, 4, 8, QVO),
 }
