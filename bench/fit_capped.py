@@ -31,13 +31,38 @@ def recompute(row: dict, coef: dict | None = None) -> tuple[float, float]:
     return est.total_gib, est.total_gib - overhead
 
 
+def table(rows: list[dict]) -> str:
+    """One line per validated row: the run capped at the estimate, and at 0.95 x it."""
+    from stages import memory_model
+
+    out = ["| row | model shape (what it tests) | mode | micro-batches | LoRA | estimate GiB | peak allocated GiB | at the estimate | at 0.95 x |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    for r in sorted(rows, key=lambda r: (r["name"][0], int(r["name"][1:]))):
+        s = memory_model.Shapes.from_config(r["config_json"])
+        what = ", ".join(x for x in ("tied" if s.tied else "untied", f"{s.vocab // 1000}k vocab", f"GQA {s.heads // s.kv_heads}:1",
+                                     "q/k norms" if s.arch and s.arch.qk_norm else "",
+                                     "fused qkv/gate_up" if s.arch and "qkv_proj" in s.arch.linears else "") if x)
+        at, below = r["trials"][0], (r["trials"][1] if len(r["trials"]) > 1 else None)
+        tokens = f"packed {r['worst_batch_tokens']}" if r["packed"] else f"padded {r['micro_batch']} x {r['max_length']}"
+        lora = f"r{r['r']} {'all-linear' if r['targets'] == 'all-linear' else 'q/v/o'}"
+        out.append(f"| {r['name']}{' (held out)' if r['held_out'] else ''} | {r['shape']} ({what}) | {'QLoRA' if r['quant'] == 'nf4' else 'LoRA bf16'} | "
+                   f"{tokens} | {lora} | {r['estimate_gib']:.2f} | {at['peak_alloc_gib']:.2f} | "
+                   f"{'completes' if at['ok'] else '**OOM**'} ({at['steps'] if at['ok'] else '-'} steps, {at.get('evals', 0)} evals) | "
+                   + ("not run (time limit)" if below is None else "fails (OOM)" if not below["ok"] else "**completes** (estimate > +5%)") + " |")
+    return "\n".join(out)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("files", nargs="+", type=Path)
     ap.add_argument("--coef", nargs="*", default=[], help="NAME=VALUE overrides of memory_model.COEF")
+    ap.add_argument("--table", action="store_true", help="validate rows as the Markdown table of docs/preflight.md")
     a = ap.parse_args()
     coef = {k: float(v) for k, v in (x.split("=") for x in a.coef)}
     rows = [r for f in a.files for r in json.loads(f.read_text())["rows"] if "error" not in r]
+    if a.table:
+        print(table(rows))
+        return
     for r in sorted(rows, key=lambda r: (r["name"][0], int(r["name"][1:]))):
         est, alloc = recompute(r, coef)
         if "need_gib" in r:
