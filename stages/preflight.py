@@ -356,7 +356,7 @@ def headline(r: PreflightResult, cfg: RunConfig) -> str:
     if p and p.ok:
         return (f"Preflight: {verdict}, measured: two real optimizer steps on the worst micro-batch ran under a {p.cap_gib:.2f} GiB cap, "
                 f"peak {p.peak_alloc_gib:.2f} GiB allocated / {p.peak_reserved_gib:.2f} GiB reserved; {budget}. "
-                f"The estimate below said {r.estimate.total_gib:.2f} GiB.")
+                f"The estimate below, {r.estimate.total_gib:.2f} GiB, is what a card must have for this run (a run capped there completes).")
     if p:
         return (f"Preflight: {verdict}, measured: two real optimizer steps on the worst micro-batch ran out of memory under the "
                 f"{p.cap_gib:.2f} GiB cap; {budget}. The estimate below said {r.estimate.total_gib:.2f} GiB.")
@@ -365,7 +365,8 @@ def headline(r: PreflightResult, cfg: RunConfig) -> str:
            if cfg.training.distributed == "fsdp" else f"over {PROBE_IF_UNDER:.1f}x the usable memory: not worth a probe")
     per = (f" per GPU (each of {cfg.training.world_size} processes holds 1/{cfg.training.world_size} of the sharded model)"
            if cfg.training.distributed == "fsdp" else "")
-    return f"Preflight: {verdict}, estimated: {r.estimate.total_gib:.2f} GiB{per} for {budget} ({why})."
+    return (f"Preflight: {verdict}, estimated: {r.estimate.total_gib:.2f} GiB{per} (what a card must have for this run: a run capped "
+            f"there completes) for {budget} ({why}).")
 
 
 def render(r: PreflightResult, cfg: RunConfig) -> str:
