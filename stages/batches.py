@@ -2,8 +2,9 @@
 
 Padded (`training.packing: off`): `per_device_train_batch_size` rows per micro-batch, each
 padded to the longest; the micro-batch holding the longest sample is the worst step.
-Packed (on): micro-batches of up to `max_tokens_per_batch` tokens, no padding
-(stages/packing.py); the worst step is a full budget of the longest samples.
+Packed (on): the samples of a step (packed_step: samples, as many as padded) or micro-batches filled
+to `max_tokens_per_batch` tokens (packed_step: tokens), no padding (stages/packing.py); the worst
+micro-batch is a budget of the longest samples, at most a step's worth.
 """
 
 from __future__ import annotations
@@ -19,13 +20,26 @@ from stages.config import RunConfig
 
 @dataclass
 class Plan:
-    """How a run's rows become micro-batches; the figures go to train_result.json."""
+    """How a run's rows become micro-batches and optimizer steps; the figures go to train_result.json and the log."""
 
     packed: bool
     tokens_per_micro_batch: int     # packed: the budget; padded: micro-batch x longest sample
     micro_batches_per_epoch: int
     samples_per_micro_batch: float  # mean
-    efficiency: float               # tokens trained on / tokens the micro-batches hold (padding, unfilled budget)
+    efficiency: float               # tokens trained on / tokens the micro-batches hold (padding; by tokens, unfilled budget)
+    step: str = "samples"           # what a step is: samples (as padded) or tokens (packed_step: tokens)
+    samples_per_step: float = 0.0   # mean, all processes
+    tokens_per_step: float = 0.0    # mean sample tokens per optimizer step, all processes
+    steps_per_epoch: float = 0.0
+    epochs: float = 0.0             # what max_steps covers
+
+    def describe(self) -> str:
+        how = (f"packed, micro-batches of at most {self.tokens_per_micro_batch} tokens" if self.packed
+               else f"padded (widest micro-batch {self.tokens_per_micro_batch} tokens)")
+        return (f"{how}; an optimizer step trains {self.samples_per_step:.1f} samples, {self.tokens_per_step:,.0f} tokens "
+                f"({'as many samples as padded' if self.step == 'samples' else 'a token budget: more samples than padded'}); "
+                f"{self.steps_per_epoch:.1f} steps per epoch, so training.max_steps covers {self.epochs:.2f} epochs; "
+                f"{self.efficiency:.0%} of the micro-batches' tokens are samples")
 
 
 def dataset(cfg: RunConfig, train_rows, packed: bool, world_size: int = 1, lengths: list[int] | None = None):
@@ -36,25 +50,50 @@ def dataset(cfg: RunConfig, train_rows, packed: bool, world_size: int = 1, lengt
     `lengths` should then be given rather than read row by row."""
     lengths = lengths if lengths is not None else [len(r["input_ids"]) for r in train_rows]
     t = cfg.training
+    total = sum(lengths)
     if not packed:
         eff = packing.padded_efficiency(lengths, t.per_device_train_batch_size, t.seed)
         n = -(-len(lengths) // t.per_device_train_batch_size)
-        return train_rows, Plan(False, t.per_device_train_batch_size * max(lengths), n, len(lengths) / n, round(eff, 4))
+        per_step = min(len(lengths), cfg.samples_per_step() * world_size)
+        return train_rows, _figures(Plan(False, t.per_device_train_batch_size * max(lengths), n, len(lengths) / n, round(eff, 4)),
+                                    cfg, len(lengths), total, per_step)
     size = cfg.token_budget()
     if max(lengths) > size:
         from stages.config import ConfigError
 
         raise ConfigError(f"training.max_tokens_per_batch is {size}, shorter than the longest sample ({max(lengths)} tokens); "
                           f"set it to at least {max(lengths)} (or at least data.max_length, {cfg.data.max_length})")
+    if t.packed_step == "samples":
+        steps = packing.plan_steps(lengths, size, cfg.samples_per_step(), t.seed, t.max_steps, world_size)
+        epoch_steps = packing.plan_steps(lengths, size, cfg.samples_per_step(), t.seed, -(-len(lengths) // (cfg.samples_per_step() * world_size)),
+                                         world_size)  # the first epoch's, for its figures
+        first = [b for s in epoch_steps for b in s]
+        per_step = min(len(lengths), cfg.samples_per_step() * world_size)  # an epoch's last step may hold fewer
+        return (packing.PackedSteps(train_rows, steps),
+                _figures(Plan(True, size, len(first), len(lengths) / len(first), 1.0),  # no padding, no budget to fill
+                         cfg, len(lengths), total, per_step))
     epochs = packing.plan(lengths, size, t.seed, t.max_steps * t.gradient_accumulation_steps * world_size)
     first = epochs[0]
+    per_step = len(lengths) / len(first) * t.gradient_accumulation_steps * world_size
     return (packing.PackedRows(train_rows, [b for e in epochs for b in e]),
-            Plan(True, size, len(first), len(lengths) / len(first), round(packing.efficiency(lengths, first, size), 4)))
+            _figures(Plan(True, size, len(first), len(lengths) / len(first), round(packing.efficiency(lengths, first, size), 4), step="tokens"),
+                     cfg, len(lengths), total, per_step))
 
 
-def worst(train_rows, collator: Collator, packed_budget: int | None, micro_batch: int, lengths: list[int] | None = None) -> dict:
+def _figures(plan: Plan, cfg: RunConfig, samples: int, tokens: int, per_step: float) -> Plan:
+    """Samples and tokens per optimizer step, steps per epoch and the epochs max_steps covers."""
+    plan.samples_per_step = round(per_step, 2)
+    plan.tokens_per_step = round(per_step * tokens / samples, 1)
+    plan.steps_per_epoch = round(samples / per_step, 2)
+    plan.epochs = round(cfg.training.max_steps / plan.steps_per_epoch, 3)
+    return plan
+
+
+def worst(train_rows, collator: Collator, packed_budget: int | None, micro_batch: int, lengths: list[int] | None = None,
+          max_samples: int | None = None) -> dict:
     """The heaviest micro-batch this data can make, collated like `collator` does (but not counted
-    by it): padded, the `micro_batch` longest rows; packed, the longest rows that fit one budget."""
+    by it): padded, the `micro_batch` longest rows; packed, the longest rows that fit one budget (and,
+    a step of `max_samples` samples, no more of them)."""
     lengths = lengths if lengths is not None else [len(r["input_ids"]) for r in train_rows]
     order = sorted(range(len(lengths)), key=lengths.__getitem__, reverse=True)[:max(micro_batch, packed_budget or 0)]
     longest = [train_rows[i] for i in order]
@@ -62,10 +101,12 @@ def worst(train_rows, collator: Collator, packed_budget: int | None, micro_batch
         return Collator(collator.pad_id)(longest[:micro_batch])
     picked, room = [], packed_budget
     for r in longest:
+        if max_samples is not None and len(picked) == max_samples:
+            break
         if len(r["input_ids"]) <= room:
             picked.append(r)
             room -= len(r["input_ids"])
-    return PackedCollator(collator.varlen)([picked])
+    return PackedCollator(collator.varlen).one(picked)
 
 
 def rows(tok: data.Tokenized) -> list[dict]:
@@ -118,8 +159,17 @@ class PackedCollator(Collator):
         self.varlen = varlen
 
     def __call__(self, batch: list[list[dict]]) -> dict:
-        (packed,) = batch  # the Trainer reads one packed micro-batch at a time
+        (item,) = batch  # the Trainer reads one item at a time: a packed micro-batch, or a step's (packed_step: samples)
+        if isinstance(item, packing.Step):
+            return {"micro_batches": [self._counted(rows) for rows in item]}
+        return self._counted(item)
+
+    def _counted(self, packed: list[dict]) -> dict:
         n = sum(len(r["input_ids"]) for r in packed)
         self.recent.append((len(self.batch_tokens), {"shape": [1, n], "ids": [r.get("id") for r in packed]}))
         self.batch_tokens.append(n)
+        return self.one(packed)
+
+    def one(self, packed: list[dict]) -> dict:
+        """One packed micro-batch as model inputs, not counted."""
         return packing.collate(packed, varlen=self.varlen)

@@ -202,9 +202,16 @@ class TrainingSection(Section):
         "Ampere or newer; bench/results/packing/: 3.2-3.7x peft + Liger on long-tailed data, less memory); off elsewhere."
     )
     max_tokens_per_batch: int | None = Field(
-        None, gt=0, description="Packing: tokens per micro-batch (at least the longest sample). null: per_device_train_batch_size "
-        "x data.max_length, the padded run's worst micro-batch, which the preflight fits; an optimizer step then holds "
-        "gradient_accumulation_steps such micro-batches, so usually many more samples than padded."
+        None, gt=0, description="Packing: the most tokens in one micro-batch (at least the longest sample). null: "
+        "per_device_train_batch_size x data.max_length, the padded run's worst micro-batch, which the preflight fits."
+    )
+    packed_step: Literal["samples", "tokens"] = Field(
+        "samples", description="Packed, what one optimizer step trains. samples: what a padded run's step trains, "
+        "per_device_train_batch_size x gradient_accumulation_steps samples per process, laid end to end into as few micro-batches "
+        "of at most max_tokens_per_batch tokens as hold them: the same samples per step, learning rate and epochs per max_steps as "
+        "padded, without the padding. tokens: every micro-batch filled to max_tokens_per_batch tokens and a step "
+        "gradient_accumulation_steps of them: many more samples per step than padded (the report says how many), so fewer "
+        "optimizer updates per epoch; scale the learning rate and max_steps to it."
     )
     packed_attention: Literal["auto", "varlen", "flex_attention", "mask"] = Field(
         "auto", description="How packed samples are kept apart in attention. varlen: torch's variable-length flash kernel "
@@ -384,6 +391,17 @@ class RunConfig(Section):
         """Tokens per packed micro-batch: training.max_tokens_per_batch, or by default the padded run's worst
         micro-batch (micro-batch x data.max_length), which the preflight fits."""
         return self.training.max_tokens_per_batch or self.training.per_device_train_batch_size * self.data.max_length
+
+    def samples_per_step(self) -> int:
+        """Samples one optimizer step trains per process, padded or packed by samples (packed_step: samples)."""
+        return self.training.per_device_train_batch_size * self.training.gradient_accumulation_steps
+
+    def widest_packed(self, longest: int) -> int:
+        """Tokens in the heaviest packed micro-batch data whose longest sample has `longest` tokens can make: the
+        budget, or (packed_step: samples) at most a step's samples, every one of them the longest."""
+        if self.training.packed_step == "tokens":
+            return self.token_budget()
+        return min(self.token_budget(), self.samples_per_step() * longest)
 
     def fingerprint(self) -> str:
         """Short hash of the resolved config: two runs with the same config share it."""

@@ -9,6 +9,7 @@ ends holding the checkpoint of the lowest eval loss (load_best_model_at_end on e
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import sys
@@ -23,7 +24,7 @@ from stages import eval_loss, kernels, memory, sharding
 from stages.config import RunConfig
 from stages.modelio import compute_dtype, device
 from stages.offload import OffloadActivations
-from stages.packing import PackedRows
+from stages.packing import PackedRows, PackedSteps
 
 
 class _NumericCheckpointOrder(logging.Filter):
@@ -43,8 +44,9 @@ def make_trainer(cfg: RunConfig, model, train_rows, collator, out_dir: Path,
     """The HF Trainer exactly as training uses it; `overrides` change TrainingArguments (the probe's 2 steps).
 
     Args:
-        train_rows: a list of rows (padded) or a PackedRows plan (packed): the Trainer then reads
-            one packed micro-batch per item, in the plan's order, which is already shuffled and seeded.
+        train_rows: a list of rows (padded), a PackedSteps plan (packed by samples: the Trainer reads one
+            optimizer step's micro-batches per item) or a PackedRows plan (packed by tokens: one packed
+            micro-batch per item), in the plan's order, which is already shuffled and seeded.
         eval_rows: tokenized held-out rows (batches.rows); none or empty: no eval, and the eval
             settings (eval_steps, early_stopping_patience, load_best) do nothing.
         memory_sinks: callables given each per-step memory row as it is written (the trackers).
@@ -52,13 +54,15 @@ def make_trainer(cfg: RunConfig, model, train_rows, collator, out_dir: Path,
     from transformers import EarlyStoppingCallback, Trainer, TrainingArguments
 
     t = cfg.training
-    packed = isinstance(train_rows, PackedRows)
+    packed = isinstance(train_rows, (PackedRows, PackedSteps))
+    by_step = isinstance(train_rows, PackedSteps)  # each item is one step's micro-batches (packed_step: samples)
     on_gpu = device().type == "cuda"
     dtype = compute_dtype(cfg.model.torch_dtype)
     kwargs = dict(
         output_dir=str(out_dir / "checkpoints"),
         per_device_train_batch_size=1 if packed else t.per_device_train_batch_size,
-        gradient_accumulation_steps=t.gradient_accumulation_steps,
+        # by step, the Trainer reads a whole step as one item and training_step runs its micro-batches
+        gradient_accumulation_steps=1 if by_step else t.gradient_accumulation_steps,
         learning_rate=t.learning_rate,
         lr_scheduler_type=t.lr_scheduler_type,
         warmup_steps=t.warmup_steps,
@@ -148,9 +152,29 @@ def make_trainer(cfg: RunConfig, model, train_rows, collator, out_dir: Path,
             if self.is_fsdp_enabled:
                 sharding.agree_on_best_checkpoint(self)
 
-        def training_step(self, *args, **kwargs):
-            self.micro_batches += 1
-            return super().training_step(*args, **kwargs)
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            parts = inputs.get("micro_batches") if isinstance(inputs, dict) else None
+            if parts is None:
+                self.micro_batches += 1
+                return super().training_step(model, inputs, num_items_in_batch)
+            # One optimizer step's micro-batches (packed_step: samples): gradients accumulate over them, synced
+            # across processes on the last only; each loss is divided by the step's loss-carrying tokens.
+            total = None
+            for j, part in enumerate(parts):
+                self.micro_batches += 1
+                sync = contextlib.nullcontext() if j == len(parts) - 1 else self.accelerator.no_sync(model)
+                with sync:
+                    loss = super().training_step(model, part, num_items_in_batch)
+                total = loss if total is None else total + loss
+            return total
+
+        def _get_num_items_in_batch(self, batch_samples, device):
+            # a step item counts the loss-carrying tokens of all its micro-batches
+            flat = [p for b in batch_samples for p in (b["micro_batches"] if "micro_batches" in b else [b])]
+            return super()._get_num_items_in_batch(flat, device)
+
+        def floating_point_ops(self, inputs):
+            return 0  # transformers' token count reads input_ids at the top of the batch, which a step item has not
 
         def compute_loss_context_manager(self):
             stack = super().compute_loss_context_manager()

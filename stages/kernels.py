@@ -30,7 +30,8 @@ def resolve_auto(cfg: RunConfig, *, on_gpu: bool, liger: bool = True, bnb: bool 
     packed = t.packing == "on" or (t.packing == "auto" and (not on_gpu or varlen))
     # The tiled MLP pays one more MLP forward per layer to keep the tokens x intermediate activations small:
     # worth it only when the widest micro-batch the data can make is long (padded: micro-batch x longest sample).
-    widest = cfg.token_budget() if packed else t.per_device_train_batch_size * (longest or cfg.data.max_length)
+    widest = (cfg.widest_packed(longest or cfg.data.max_length) if packed
+              else t.per_device_train_batch_size * (longest or cfg.data.max_length))
     return {
         "packing": packed,
         "packed_attention": None if not packed else t.packed_attention if t.packed_attention != "auto"

@@ -166,7 +166,7 @@ def estimate(cfg: RunConfig, s: Shapes, longest: int, on_gpu: bool, coef: dict |
     t, lo, q = cfg.training, cfg.lora, cfg.quantization
     gpu = resolve_auto(cfg, on_gpu=on_gpu, longest=longest)  # the settings as the train stage resolves them there
     act = compute_dtype(cfg.model.torch_dtype, cuda=on_gpu).itemsize
-    b, seq = (1, cfg.token_budget()) if gpu["packing"] else (t.per_device_train_batch_size, longest)
+    b, seq = (1, gpu["widest_micro_batch"]) if gpu["packing"] else (t.per_device_train_batch_size, longest)
     tokens = b * seq
     lin = s.linears()
     h, i, kv = s.hidden, s.intermediate, s.kv_heads * s.head_dim

@@ -1,4 +1,4 @@
-"""Padding-free packing: micro-batches filled up to a token budget, flattened into one row.
+"""Padding-free packing: samples laid end to end into micro-batches of at most a token budget, one row each.
 
 A padded micro-batch pays for every row up to its longest sample; on long-tailed chat data
 (median 512, p99 4k tokens) half of a micro-batch of 4 is padding, and a few short samples
@@ -15,6 +15,11 @@ restarting position ids, as transformers' block-diagonal causal mask (SDPA, eage
 no token attends across samples. The loss is the same as unpacked: the Trainer sums the
 token losses of an optimizer step and divides by that step's loss-carrying tokens, packed
 or not (`num_items_in_batch`).
+
+What an optimizer step trains (`training.packed_step`): `samples` (the default) keeps a padded run's
+step, per_device_train_batch_size x gradient_accumulation_steps samples per process, packed into as few
+micro-batches of the budget as hold them (plan_steps); `tokens` makes every micro-batch a full budget
+and a step gradient_accumulation_steps of them (plan), which holds many more samples than padded.
 
 The plan is deterministic: each epoch shuffles the samples with (seed, epoch), then packs
 each window of WINDOW samples first-fit-decreasing and shuffles that window's micro-batches.
@@ -81,6 +86,57 @@ def plan(lengths: Sequence[int], budget: int, seed: int, micro_batches: int) -> 
     return epochs
 
 
+def plan_steps(lengths: Sequence[int], budget: int, samples: int, seed: int, steps: int, world: int = 1) -> list[list[list[int]]]:
+    """Optimizer steps that train `samples` samples per process, as a padded run's do, each packed into as
+    few micro-batches of at most `budget` tokens as hold them, the same number on every process (DDP and
+    FSDP run their collectives once per micro-batch).
+
+    Returns one item per (step, process) in the order the Trainer deals them out, process after process:
+    the micro-batches (lists of sample indices) that process trains in that step. Epochs shuffle with
+    (seed, epoch), as many as `steps` steps need; the last step of an epoch takes what is left, split
+    evenly. The grouping of samples into steps does not depend on `budget`, so a run resumed with a smaller
+    budget (after an out-of-memory error) trains the same samples in each step.
+    """
+    too_long = [i for i, n in enumerate(lengths) if n > budget]
+    if too_long:
+        raise PackingError(f"{len(too_long)} sample(s) are longer than the token budget {budget} (longest "
+                           f"{max(lengths[i] for i in too_long)}); training.max_tokens_per_batch must be at least data.max_length")
+    items: list[list[list[int]]] = []
+    epoch = 0
+    while len(items) < steps * world:
+        rng = random.Random(f"{seed}/{epoch}")
+        order = list(range(len(lengths)))
+        rng.shuffle(order)
+        per_step = samples * world
+        for start in range(0, len(order), per_step):
+            chunk = order[start:start + per_step]
+            if len(chunk) < world:  # too few left to give every process one: the next epoch starts instead
+                break
+            groups = [chunk[r::world] for r in range(world)]
+            k = max(1, max(-(-sum(lengths[i] for i in g) // budget) for g in groups))
+            while (parts := [_balanced(g, lengths, budget, k) for g in groups]) and any(p is None for p in parts):
+                k += 1
+            if k > min(map(len, groups)):  # an epoch's last, short step that cannot give every process k micro-batches
+                break
+            items += parts
+        epoch += 1
+    return items[: steps * world]
+
+
+def _balanced(group: list[int], lengths: Sequence[int], budget: int, k: int) -> list[list[int]] | None:
+    """`group` in k micro-batches of at most `budget` tokens, each sample into the emptiest (longest first): the
+    micro-batches come out even, so the step's heaviest is as light as k allows. None where k do not hold them."""
+    bins: list[list[int]] = [[] for _ in range(k)]
+    load = [0] * k
+    for i in sorted(group, key=lambda i: -lengths[i]):  # stable: ties keep the shuffled order
+        b = min(range(k), key=load.__getitem__)
+        if load[b] + lengths[i] > budget:
+            return None
+        bins[b].append(i)
+        load[b] += lengths[i]
+    return bins
+
+
 def efficiency(lengths: Sequence[int], batches: list[list[int]], budget: int) -> float:
     """Tokens trained on / tokens the micro-batches could hold."""
     return sum(lengths[i] for b in batches for i in b) / (budget * len(batches)) if batches else 0.0
@@ -122,6 +178,23 @@ def collate(rows: list[dict], *, varlen: bool) -> dict:
     return batch
 
 
+class PackedSteps(torch.utils.data.Dataset):
+    """Item k of a plan_steps plan: one process's micro-batches of one optimizer step, each the rows it packs."""
+
+    def __init__(self, rows: list[dict], steps: list[list[list[int]]]) -> None:
+        self.rows, self.steps = rows, steps
+
+    def __len__(self) -> int:
+        return len(self.steps)
+
+    def __getitem__(self, k: int) -> Step:
+        return Step([self.rows[i] for i in b] for b in self.steps[k])
+
+
+class Step(list):
+    """The micro-batches of one optimizer step (a PackedSteps item), as the collator receives it."""
+
+
 class PackedRows(torch.utils.data.Dataset):
     """Micro-batch k of the plan: the rows it packs (the collator flattens them)."""
 
@@ -135,16 +208,19 @@ class PackedRows(torch.utils.data.Dataset):
         return [self.rows[i] for i in self.batches[k]]
 
 
-def worst_rows(lengths: Sequence[int], budget: int) -> list[int]:
+def worst_rows(lengths: Sequence[int], budget: int, max_samples: int | None = None) -> list[int]:
     """Row lengths of the heaviest packed micro-batch: the longest samples, then the next ones that
-    still fit, topped up to exactly `budget` tokens (what the preflight probes)."""
+    still fit, topped up to exactly `budget` tokens (what the preflight probes); with `max_samples` (a step
+    of that many samples) no more rows than that, and no top-up beyond them."""
     picked, room = [], budget
     for n in sorted(lengths, reverse=True):
+        if max_samples is not None and len(picked) == max_samples:
+            return picked
         if n <= room:
             picked.append(n)
             room -= n
         if room == 0:
             break
-    if room:
+    if room and (max_samples is None or len(picked) < max_samples):
         picked.append(room)
     return picked

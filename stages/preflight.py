@@ -88,6 +88,7 @@ class PreflightResult:
     notes: list[str] = field(default_factory=list)
     adapted: str = ""          # the modules LoRA adapts (as resolved against the model) and their parameter count
     target_notes: list[str] = field(default_factory=list)  # requested names mapped onto fused modules
+    steps: dict = field(default_factory=dict)  # samples and tokens per optimizer step, steps per epoch, epochs max_steps covers
 
 
 def run(cfg: RunConfig, out_dir: Path, gpu_memory_gib: float | None = None) -> PreflightResult:
@@ -109,6 +110,7 @@ def run(cfg: RunConfig, out_dir: Path, gpu_memory_gib: float | None = None) -> P
         widen_for_eval(cfg, tokenizer, lengths, resolve_auto(cfg, on_gpu=on_gpu, longest=lengths.max)["packing"])
         settings = resolve_auto(cfg, on_gpu=on_gpu, longest=lengths.max)
         lengths.worst_batch_tokens, lengths.packed = settings["widest_micro_batch"], settings["packing"]
+        steps = _steps(cfg, tokenizer, settings["packing"])
         if settings["packing"] and lengths.max > cfg.token_budget():
             raise ConfigError(f"training.max_tokens_per_batch is {cfg.token_budget()}, shorter than the longest sample "
                               f"({lengths.max} tokens, {lengths.longest_id}); set it to at least {lengths.max}")
@@ -133,7 +135,7 @@ def run(cfg: RunConfig, out_dir: Path, gpu_memory_gib: float | None = None) -> P
         suggestions = [] if fits else suggest(cfg, shapes, lengths, usable, on_gpu=on_gpu)
     result = PreflightResult(fits, device, round(budget, 3), round(usable, 3), est, lengths, suggestions,
                              out_dir / "preflight.md", meter.report, probe=result_probe, notes=shapes.unknown,
-                             adapted=targets.summary(cfg.lora.r), target_notes=targets.notes)
+                             adapted=targets.summary(cfg.lora.r), target_notes=targets.notes, steps=steps)
     result.report_md.write_text(render(result, cfg))
     (out_dir / "preflight.json").write_text(json.dumps(memory.jsonable(result), indent=2, default=str))
     print(result.report_md.read_text())
@@ -174,7 +176,8 @@ def probe(cfg: RunConfig, worst_len: int, cap_gib: float, out_dir: Path, model=N
     total = torch.cuda.get_device_properties(0).total_memory
     packed = kernels.packing(cfg)
     b = cfg.training.per_device_train_batch_size
-    batch = (packing.worst_rows(lengths or [worst_len], cfg.token_budget()) if packed
+    batch = (packing.worst_rows(lengths or [worst_len], cfg.token_budget(),
+                                cfg.samples_per_step() if cfg.training.packed_step == "samples" else None) if packed
              else [worst_len] + [max(1, worst_len - 1)] * (b - 1))
     memory.free_gpu()
     torch.cuda.set_per_process_memory_fraction(min(1.0, cap_gib * GIB / total))
@@ -213,6 +216,15 @@ def probe(cfg: RunConfig, worst_len: int, cap_gib: float, out_dir: Path, model=N
         memory.free_gpu()
         torch.cuda.set_per_process_memory_fraction(1.0)
     return ProbeResult(ok, round(peak_reserved, 4), round(peak_alloc, 4), round(cap_gib, 3), batch, postmortem, error)
+
+
+def _steps(cfg: RunConfig, tokenizer, packed: bool) -> dict:
+    """What an optimizer step trains and how many epochs training.max_steps covers, from the plan training will make."""
+    from dataclasses import asdict
+
+    from stages import batches
+
+    return asdict(batches.dataset(cfg, None, packed, cfg.training.world_size, data.training_set(cfg, tokenizer).lengths)[1])
 
 
 def check_held_out(cfg: RunConfig, tokenizer) -> None:
@@ -275,9 +287,10 @@ def suggest(cfg: RunConfig, s: Shapes, lengths: LengthScan, usable: float, on_gp
     if on_gpu and loss_mode(cfg, on_gpu) == "plain":
         options.append((0, {"training.cross_entropy": "chunked"}, lengths.max))
     if lengths.packed:
-        if cfg.token_budget() // 2 >= lengths.max:
-            options.append((1, {"training.max_tokens_per_batch": cfg.token_budget() // 2,
-                                "training.gradient_accumulation_steps": 2 * t.gradient_accumulation_steps}, lengths.max))
+        half = min(cfg.token_budget(), cfg.widest_packed(lengths.max)) // 2
+        if half >= lengths.max:  # by samples a step keeps its samples in more micro-batches; by tokens it needs twice as many
+            options.append((1, {"training.max_tokens_per_batch": half} | ({} if t.packed_step == "samples" else
+                                {"training.gradient_accumulation_steps": 2 * t.gradient_accumulation_steps}), lengths.max))
     elif t.per_device_train_batch_size > 1:
         h = t.halved()
         options.append((1, {"training.per_device_train_batch_size": h.per_device_train_batch_size,
@@ -369,6 +382,12 @@ def headline(r: PreflightResult, cfg: RunConfig) -> str:
             f"there completes) for {budget} ({why}).")
 
 
+def _plan_line(steps: dict) -> str:
+    from stages import batches
+
+    return batches.Plan(**steps).describe() if steps else "not planned"
+
+
 def render(r: PreflightResult, cfg: RunConfig) -> str:
     L = r.lengths
     lines = [
@@ -380,6 +399,8 @@ def render(r: PreflightResult, cfg: RunConfig) -> str:
         f"Truncated: {len(L.truncated)}, dropped: {len(L.dropped)}.",
         "",
         f"LoRA adapts {r.adapted}." + "".join(f" {n}." for n in r.target_notes),
+        "",
+        f"Steps: {_plan_line(r.steps)}.",
         "",
         "| item | GiB |",
         "|---|---|",

@@ -126,7 +126,7 @@ def run(cfg: RunConfig, out_dir: Path, *, inject_oom_at: int | None = None) -> T
                 dataset, plan = batches.dataset(attempt_cfg, train_rows, packed, world, lengths)
                 collator = (batches.PackedCollator(varlen=kernels.packed_attention(attempt_cfg) == "varlen") if packed
                             else batches.Collator(tokenizer.pad_token_id))
-                print(f"train: {_describe(plan, attempt_cfg)}")
+                print(f"train: {plan.describe()}")
                 model = build_model(attempt_cfg, longest)
                 fit = choose_fit(attempt_cfg, model, train_rows, collator, out_dir, lengths)
                 resume = last_checkpoint(out_dir / "checkpoints")
@@ -250,15 +250,6 @@ def _holders(refs: list) -> str:
     return "; ".join(f"{type(x).__name__} held by " + ", ".join(sorted({type(h).__name__ for h in gc.get_referrers(x)})[:6]) for x in alive)
 
 
-def _describe(plan: batches.Plan, cfg: RunConfig) -> str:
-    t = cfg.training
-    per_step = t.gradient_accumulation_steps * plan.samples_per_micro_batch
-    how = (f"packed, up to {plan.tokens_per_micro_batch} tokens per micro-batch" if plan.packed
-           else f"padded, {t.per_device_train_batch_size} samples per micro-batch (widest {plan.tokens_per_micro_batch} tokens)")
-    return (f"{how}; {plan.micro_batches_per_epoch} micro-batches per epoch, {plan.efficiency:.0%} of their tokens are "
-            f"samples; ~{per_step:.1f} samples per optimizer step")
-
-
 def _describe_eval(cfg: RunConfig, rows: list[dict], every: int | None) -> str:
     t = cfg.training
     if not every:
@@ -289,7 +280,8 @@ def evaluation(trainer, cfg: RunConfig) -> dict:
 def choose_fit(cfg: RunConfig, model, train_rows, collator, out_dir: Path, lengths: list[int] | None = None) -> autofit.FitChoice:
     """Checkpoint every layer, or (fit: speed) as few as the budget allows, measured on the heaviest micro-batch."""
     packed = isinstance(collator, batches.PackedCollator)
-    worst = batches.worst(train_rows, collator, cfg.token_budget() if packed else None, cfg.training.per_device_train_batch_size, lengths)
+    worst = batches.worst(train_rows, collator, cfg.token_budget() if packed else None, cfg.training.per_device_train_batch_size, lengths,
+                          cfg.samples_per_step() if cfg.training.packed_step == "samples" else None)
     batch = {k: v.to(device()) if torch.is_tensor(v) else v for k, v in worst.items()}
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     fit = autofit.choose(cfg, model, batch, trainable, kernels.optimizer(cfg))
@@ -301,14 +293,17 @@ def choose_fit(cfg: RunConfig, model, train_rows, collator, out_dir: Path, lengt
 
 
 def halve_micro_batch(cfg: RunConfig, packed: bool, longest: int) -> RunConfig | None:
-    """Half the micro-batch (packed: half the token budget, never below the longest sample) and
-    twice the accumulation; None when it cannot get smaller."""
+    """Half the micro-batch (packed: half the widest micro-batch's tokens, never below the longest sample) and,
+    where a step is counted in micro-batches, twice the accumulation: the same samples per step; None when it
+    cannot get smaller."""
     t = cfg.training
     if packed:
-        tokens = cfg.token_budget() // 2
+        tokens = min(cfg.token_budget(), cfg.widest_packed(longest)) // 2
         if tokens < longest:
             return None
-        update = {"max_tokens_per_batch": tokens, "gradient_accumulation_steps": t.gradient_accumulation_steps * 2}
+        # by samples a step keeps its samples in more micro-batches; by tokens it needs twice as many of them
+        update = {"max_tokens_per_batch": tokens} | ({} if t.packed_step == "samples" else
+                                                     {"gradient_accumulation_steps": t.gradient_accumulation_steps * 2})
         return cfg.model_copy(update={"training": t.model_copy(update=update)})
     if t.per_device_train_batch_size == 1:
         return None
