@@ -4,6 +4,8 @@ transformers' block-diagonal mask."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from stages.modelio import compute_dtype, device
@@ -114,12 +116,21 @@ def _bounds_from_positions(position_ids, tokens: int, dev) -> torch.Tensor:
     return torch.tensor([*starts, tokens], dtype=torch.int32, device=dev)
 
 
-def _flash_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale):
+@functools.cache
+def _varlen_params() -> frozenset[str]:
+    """varlen_attn's keyword names, read once: its signature changed between torch 2.10 and 2.12, and reading it
+    in every layer's attention cost host time on every step."""
     import inspect
 
     from torch.nn.attention.varlen import varlen_attn
 
-    params = inspect.signature(varlen_attn).parameters
+    return frozenset(inspect.signature(varlen_attn).parameters)
+
+
+def _flash_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale):
+    from torch.nn.attention.varlen import varlen_attn
+
+    params = _varlen_params()
     if q.shape[1] != k.shape[1] and "enable_gqa" not in params:  # torch 2.10/2.11: heads must match
         k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
     kw = {"scale": scale} if "scale" in params else {}
