@@ -1,10 +1,14 @@
-"""One GPU job per host, whichever way a run starts.
+"""One GPU job per GPU, whichever way a run starts; no lock where there is no GPU.
 
 With a Prefect server (PREFECT_API_URL: `prefect deployment run`, `flows.deploy serve`) the GPU
 stages hold a slot of the global concurrency limit `gpu`, created on first use when missing.
 Without one, each `python -m flows.train_and_export` starts its own temporary local API, which
 cannot see another run's slots: the stages then hold an exclusive lock on a file every process
-on the host opens (TAE_GPU_LOCK, default <tmp>/train-and-export-gpu.lock). The log says which.
+on the host opens, named for the GPUs it guards (TAE_GPU_LOCK, default
+<tmp>/train-and-export-gpu-<GPUs>.lock): runs pinned to other GPUs (CUDA_VISIBLE_DEVICES) do not
+wait for each other. On a machine with no GPU nothing is locked: runs there share only CPUs.
+The GPUs are NVML's, as CUDA_VISIBLE_DEVICES selects them; TAE_GPU_IDS (comma-separated) names
+them instead where NVML cannot see them. The log says which GPUs and how they are held.
 """
 
 from __future__ import annotations
@@ -21,8 +25,43 @@ from pathlib import Path
 GPU_LIMIT = os.environ.get("TAE_GPU_LIMIT", "gpu")  # a Prefect global concurrency limit
 
 
-def lock_path() -> Path:
-    return Path(os.environ.get("TAE_GPU_LOCK") or Path(tempfile.gettempdir()) / "train-and-export-gpu.lock")
+def visible_gpus() -> list[str]:
+    """The GPUs this process's stages would use: NVML's devices (by UUID) as CUDA_VISIBLE_DEVICES selects
+    them, or TAE_GPU_IDS; [] without a GPU or a driver. Read without importing torch (a second of start-up)."""
+    named = os.environ.get("TAE_GPU_IDS")
+    if named is not None:
+        return [g for g in named.split(",") if g.strip()]
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception:  # no driver, no library: no GPU this process could use
+        return []
+    try:
+        gpus = [pynvml.nvmlDeviceGetUUID(pynvml.nvmlDeviceGetHandleByIndex(i)) for i in range(pynvml.nvmlDeviceGetCount())]
+    finally:
+        pynvml.nvmlShutdown()
+    gpus = [g.decode() if isinstance(g, bytes) else g for g in gpus]
+    chosen = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if chosen is None:
+        return gpus
+    picked = []
+    for c in (x.strip() for x in chosen.split(",") if x.strip()):
+        if c.isdigit():
+            if int(c) >= len(gpus):
+                break  # CUDA stops at the first invalid entry
+            picked.append(gpus[int(c)])
+        else:  # a UUID (or its prefix)
+            picked += [g for g in gpus if g.startswith(c) or g.removeprefix("GPU-").startswith(c)][:1]
+    return picked
+
+
+def lock_path(gpus: list[str]) -> Path:
+    """The lock file of these GPUs: one per GPU set, so runs pinned to other GPUs never wait on each other."""
+    if os.environ.get("TAE_GPU_LOCK"):
+        return Path(os.environ["TAE_GPU_LOCK"])
+    name = "-".join(g.removeprefix("GPU-")[:8] for g in gpus)
+    return Path(tempfile.gettempdir()) / f"train-and-export-gpu-{name}.lock"
 
 
 def ensure_gpu_limit(slots: int | None = None, *, resize: bool = True) -> int:
@@ -82,10 +121,16 @@ def host_lock(path: Path, holder: str, log=None) -> Iterator[None]:
 
 @contextlib.contextmanager
 def gpu_slot(holder: str, log=None) -> Iterator[str]:
-    """Hold the host's GPU for one stage; yields "prefect" or "host-lock", whichever kept runs apart."""
+    """Hold the GPU(s) for one stage; yields "prefect", "host-lock" or "no-gpu", whichever kept runs apart (or did not
+    need to)."""
     log = log or _print
     from prefect.settings import PREFECT_API_URL
 
+    gpus = visible_gpus()
+    if not gpus:
+        log(f"gpu: {holder} runs without the GPU lock: no GPU on this machine")
+        yield "no-gpu"
+        return
     url = PREFECT_API_URL.value()
     if url:
         from prefect.concurrency.sync import concurrency
@@ -95,7 +140,8 @@ def gpu_slot(holder: str, log=None) -> Iterator[str]:
             log(f"gpu: {holder} holds a slot of Prefect's global concurrency limit '{GPU_LIMIT}' ({slots} slot(s), {url})")
             yield "prefect"
     else:
-        path = lock_path()
-        with host_lock(path, holder, log):
-            log(f"gpu: {holder} holds the host lock {path} (no Prefect server: the temporary local API cannot see other runs' slots)")
+        path = lock_path(gpus)
+        with host_lock(path, f"{holder} on GPU {', '.join(gpus)}", log):
+            log(f"gpu: {holder} holds the host lock {path} for GPU {', '.join(gpus)} (no Prefect server: the temporary local API "
+                "cannot see other runs' slots)")
             yield "host-lock"

@@ -19,17 +19,34 @@ import sys
 import time
 from pathlib import Path
 
-from prefect import flow, task
-from prefect.artifacts import create_markdown_artifact, create_table_artifact
-from prefect.cache_policies import INPUTS, TASK_SOURCE
-from prefect.runtime import flow_run
 
-from flows import reaper
-from flows.gpu_slot import gpu_slot
-from stages import data, errors, export, handoff, llamacpp, memory, merge, preflight, smoke, tracking, train
-from stages.config import load_config
-from stages.memory import MemoryReport
-from stages.paths import RunPaths, new_run_id
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m flows.train_and_export", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                                 description="Run the train-and-export pipeline once, locally: preflight, train, merge, export, smoke, "
+                                             "hand-off. Without PREFECT_API_URL a temporary local Prefect API runs beside it.")
+    ap.add_argument("--config", default="configs/default.yaml", help="the run config (YAML, one schema: docs/config.md)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="override one config key, parsed as YAML, e.g. --set training.max_steps=50 (repeatable)")
+    ap.add_argument("--run-id", help="name of the run directory under artifacts_dir/runs; an existing one resumes (default: a new one, "
+                    "printed at the start)")
+    ap.add_argument("--debug", action="store_true", help="show the traceback of a user error too (or TAE_DEBUG=1)")
+    return ap
+
+
+if __name__ == "__main__":
+    parser().parse_args()  # --help and bad options answer here, before Prefect and torch load (7.6 s)
+
+from prefect import flow, task  # noqa: E402
+from prefect.artifacts import create_markdown_artifact, create_table_artifact  # noqa: E402
+from prefect.cache_policies import INPUTS, TASK_SOURCE  # noqa: E402
+from prefect.runtime import flow_run  # noqa: E402
+
+from flows import reaper  # noqa: E402
+from flows.gpu_slot import gpu_slot  # noqa: E402
+from stages import data, errors, export, handoff, llamacpp, memory, merge, preflight, smoke, tracking, train  # noqa: E402
+from stages.config import load_config  # noqa: E402
+from stages.memory import MemoryReport  # noqa: E402
+from stages.paths import RunPaths, new_run_id  # noqa: E402
 
 # A native crash (llama.cpp, a CUDA library) kills the flow process without a Python traceback:
 # this at least prints the Python stack it died in to the run's output.
@@ -183,6 +200,7 @@ def train_and_export(config: str = "configs/default.yaml", overrides: list[str] 
         )
         reports["handoff"] = ho.memory
         summary = summarize(paths, reports, ho, tr, sm)
+        (paths.root / "summary.md").write_text(summary + "\n")  # kept with the run: the temporary API's artifact is gone after it
         create_markdown_artifact(summary, key="run-summary", description=f"train-and-export run {paths.run_id}")
         print(summary)
         return {"run_id": paths.run_id, "run_dir": str(paths.root), "bundle": str(ho.bundle_dir),
@@ -203,12 +221,7 @@ def summarize(paths: RunPaths, reports: dict, ho, tr, sm) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description="Run the train-and-export pipeline once, locally.")
-    ap.add_argument("--config", default="configs/default.yaml")
-    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override, e.g. training.max_steps=50")
-    ap.add_argument("--run-id", help="name of the run directory (default: a new one, printed at the start)")
-    ap.add_argument("--debug", action="store_true", help=f"show the traceback of a user error too (or {errors.DEBUG_ENV}=1)")
-    a = ap.parse_args(argv)
+    a = parser().parse_args(argv)
     if a.debug:
         os.environ[errors.DEBUG_ENV] = "1"
     run_id = a.run_id or new_run_id()  # chosen here, so that an interrupted run can be named for its resumption

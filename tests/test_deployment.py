@@ -48,7 +48,8 @@ class Server:
         port = _free_port()
         self.url = f"http://127.0.0.1:{port}/api"
         self.env = os.environ | {"PREFECT_HOME": str(tmp / "prefect"), "PREFECT_API_URL": self.url, "PREFECT_SERVER_UI_ENABLED": "false",
-                                 "PREFECT_LOGGING_LEVEL": "INFO", "TAE_GPU_SLOTS": "1"}
+                                 "PREFECT_LOGGING_LEVEL": "INFO", "TAE_GPU_SLOTS": "1",
+                                 "TAE_GPU_IDS": "GPU-test0"}  # a GPU to guard: CI has none, and a GPU-less machine locks nothing
         self.log = (tmp / "server.log").open("w")
         self.server = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
                                        env=self.env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)

@@ -19,6 +19,7 @@ def test_without_a_server_runs_queue_on_a_host_lock(tmp_path, monkeypatch):
 
     lock = tmp_path / "gpu.lock"
     monkeypatch.setenv("TAE_GPU_LOCK", str(lock))
+    monkeypatch.setenv("TAE_GPU_IDS", "GPU-test0")  # a GPU to guard (CI has none: there nothing is locked)
     holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import time
         from pathlib import Path
@@ -36,7 +37,7 @@ def test_without_a_server_runs_queue_on_a_host_lock(tmp_path, monkeypatch):
     holder.wait()
     assert how == "host-lock" and waited > 1.5
     assert any("waiting for the host lock" in s and "stage train of run A" in s for s in said), said
-    assert any("holds the host lock" in s and "no Prefect server" in s for s in said), said
+    assert any("holds the host lock" in s and "for GPU GPU-test0" in s and "no Prefect server" in s for s in said), said
 
 
 def test_a_crashed_holder_does_not_keep_the_gpu(tmp_path):
@@ -55,10 +56,12 @@ def test_a_crashed_holder_does_not_keep_the_gpu(tmp_path):
         assert time.monotonic() - t0 < 2
 
 
-def test_with_a_server_the_limit_is_created_on_first_use(prefect_harness):
+def test_with_a_server_the_limit_is_created_on_first_use(prefect_harness, monkeypatch):
     from prefect.client.orchestration import get_client
 
     from flows import gpu_slot
+
+    monkeypatch.setenv("TAE_GPU_IDS", "GPU-test0")
 
     said = []
     with gpu_slot.gpu_slot("stage train of run C", log=said.append) as how:
@@ -84,7 +87,8 @@ def test_a_healthy_offline_run_logs_no_warning_or_error_and_says_how_it_holds_th
 
     cfg = write_config(tmp_path, training={"max_steps": 10, "save_steps": 5}, smoke={"min_accuracy": 0.0, "max_prompts": 5})
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")} | {
-        "PREFECT_HOME": str(tmp_path / "prefect"), "TAE_GPU_LOCK": str(tmp_path / "gpu.lock"), "HF_HUB_OFFLINE": "1"}
+        "PREFECT_HOME": str(tmp_path / "prefect"), "TAE_GPU_LOCK": str(tmp_path / "gpu.lock"), "HF_HUB_OFFLINE": "1",
+        "TAE_GPU_IDS": "GPU-test0"}
     p = subprocess.run([sys.executable, "-m", "flows.train_and_export", "--config", str(cfg), "--run-id", "quiet"],
                        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     out = p.stdout + p.stderr
@@ -93,3 +97,28 @@ def test_a_healthy_offline_run_logs_no_warning_or_error_and_says_how_it_holds_th
     assert not noisy, noisy
     held = [line for line in out.splitlines() if "holds the host lock" in line]
     assert len(held) == 5 and all(str(tmp_path / "gpu.lock") in line for line in held), held
+
+
+def test_no_gpu_no_lock_and_the_lock_is_named_for_its_gpus(tmp_path, monkeypatch):
+    """A CPU-only machine serializes nothing (unrelated clones waited 48-61 s on each other's lock); with GPUs the
+    lock file and its holder name the GPUs, so runs pinned to other GPUs do not wait."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from flows import gpu_slot
+
+    monkeypatch.delenv("TAE_GPU_LOCK", raising=False)
+    monkeypatch.setenv("TAE_GPU_IDS", "")
+    said = []
+    with temporary_settings(restore_defaults={PREFECT_API_URL}), gpu_slot.gpu_slot("stage train of run D", log=said.append) as how:
+        assert how == "no-gpu" and not list(tmp_path.glob("*.lock"))
+    assert said == ["gpu: stage train of run D runs without the GPU lock: no GPU on this machine"]
+    a, b = gpu_slot.lock_path(["GPU-aaaaaaaa-1111"]), gpu_slot.lock_path(["GPU-bbbbbbbb-2222", "GPU-cccccccc-3333"])
+    assert a.name == "train-and-export-gpu-aaaaaaaa.lock" and b.name == "train-and-export-gpu-bbbbbbbb-cccccccc.lock"
+    monkeypatch.setenv("TAE_GPU_IDS", "GPU-bbbbbbbb-2222")
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", None)  # re-read TMPDIR
+    said.clear()
+    with temporary_settings(restore_defaults={PREFECT_API_URL}), gpu_slot.gpu_slot("stage train of run E", log=said.append) as how:
+        assert how == "host-lock" and "GPU-bbbbbbbb-2222" in (tmp_path / "train-and-export-gpu-bbbbbbbb.lock").read_text()

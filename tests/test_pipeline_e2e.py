@@ -67,6 +67,23 @@ def test_every_stage_has_memory_json_and_a_prefect_artifact(e2e):
     found = asyncio.run(keys())
     assert {f"memory-{s}" for s in STAGES} <= found, found
     assert {"run-summary", "preflight-report", "smoke-results", "memory-steps-train"} <= found
+    summary = (Path(result["run_dir"]) / "summary.md").read_text()  # kept with the run, not only in the temporary API
+    assert summary.startswith("### train-and-export run ") and "| train |" in summary and "sha256sum -c SHA256SUMS" in summary
+
+
+def test_the_cli_help_is_fast_and_says_every_option():
+    import subprocess
+    import sys
+    import time
+
+    from tests.conftest import REPO
+
+    t0 = time.monotonic()
+    p = subprocess.run([sys.executable, "-m", "flows.train_and_export", "--help"], cwd=REPO, capture_output=True, text=True)
+    assert p.returncode == 0 and time.monotonic() - t0 < 3, p.stderr  # was 7.6 s: Prefect and torch imported first
+    for option in ("--config", "--set", "--run-id", "--debug"):
+        assert option in p.stdout
+    assert "(default: configs/default.yaml)" in p.stdout.replace("\n", " ").replace("  ", " ")
 
 
 def test_bundle_checksums_verify_and_manifest_is_complete(e2e):
