@@ -21,10 +21,9 @@ from pathlib import Path
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m flows.train_and_export", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-                                 description="Run the train-and-export pipeline once, locally: preflight, train, merge, export, smoke, "
+    ap = argparse.ArgumentParser(prog="python -m flows.train_and_export", description="Run the train-and-export pipeline once, locally: preflight, train, merge, export, smoke, "
                                              "hand-off. Without PREFECT_API_URL a temporary local Prefect API runs beside it.")
-    ap.add_argument("--config", default="configs/default.yaml", help="the run config (YAML, one schema: docs/config.md)")
+    ap.add_argument("--config", default="configs/default.yaml", help="the run config (YAML, one schema: docs/config.md; default: %(default)s)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="override one config key, parsed as YAML, e.g. --set training.max_steps=50 (repeatable)")
     ap.add_argument("--run-id", help="name of the run directory under artifacts_dir/runs; an existing one resumes (default: a new one, "

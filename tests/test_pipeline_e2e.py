@@ -83,7 +83,7 @@ def test_the_cli_help_is_fast_and_says_every_option():
     assert p.returncode == 0 and time.monotonic() - t0 < 3, p.stderr  # was 7.6 s: Prefect and torch imported first
     for option in ("--config", "--set", "--run-id", "--debug"):
         assert option in p.stdout
-    assert "(default: configs/default.yaml)" in p.stdout.replace("\n", " ").replace("  ", " ")
+    assert "default: configs/default.yaml" in " ".join(p.stdout.split())
 
 
 def test_bundle_checksums_verify_and_manifest_is_complete(e2e):
