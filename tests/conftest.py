@@ -13,6 +13,11 @@ os.environ["PREFECT_HOME"] = tempfile.mkdtemp(prefix="tae-prefect-")
 os.environ.pop("PREFECT_API_URL", None)
 os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# One torch thread per process: the suite runs a test process beside flow, server and training subprocesses on
+# 2 cores, and torch's intra-op threads spinning for a core another process holds made 40 training steps take
+# 208 s instead of 12 s. Set before torch is imported here, inherited by every subprocess the tests start.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("MKL_NUM_THREADS", "1")
 
 import pytest
 import yaml
