@@ -1,11 +1,286 @@
-"""Problems the run would hit after training, found before it starts (the preflight runs these first)."""
+"""Problems the run would hit after training, found before it starts (the preflight runs these first).
+
+Each stops the run with one message that names the input and the fix (a UserError), within seconds,
+instead of a traceback minutes or hours later:
+
+- trackers (`training.report_to`): the MLflow server answers, or the SQLite / file store's directory
+  is writable; the TensorBoard directory is writable. The user asked for the tracker, so a run without
+  it is not what they asked for: it fails fast rather than training unrecorded.
+- export tools: llama-cpp-python and gguf import in this process (export quantizes and reads GGUF
+  here), the converter matches the runtime, and the processes the export starts later (llama.cpp's
+  converter, the torch-free llama.cpp process) start and import what they need, started the same way.
+- disk: the merged 16-bit model, the unquantized GGUF and every quantized one (artifacts_dir) and the
+  bundle's copies (handoff.dir) fit in the free space of the filesystem(s) that will hold them.
+
+    checks.before_training(cfg, out_dir)   # out_dir: the preflight stage's directory in the run
+"""
 
 from __future__ import annotations
 
+import errno
+import importlib
+import os
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
+from stages import errors, gguf_convert, llamacpp, llamacpp_process, tracking
 from stages.config import RunConfig
+from stages.errors import DiskFull, MissingPackage, UserError
+
+HTTP_TIMEOUT_S = 3      # an MLflow server that does not answer its health check in this long is down (or not there)
+PROBE_TIMEOUT_S = 30    # a child that cannot import its packages in this long will not do better after training
+INSTALL = "run `bash scripts/install.sh` in this environment (it builds llama-cpp-python, extracts the matching converter and installs gguf)"
+
+
+class ToolError(UserError, RuntimeError):
+    """A tool the export needs after training cannot run here."""
 
 
 def before_training(cfg: RunConfig, out_dir: Path) -> None:
     """Raise a UserError naming the first problem and its fix."""
+    run_dir = Path(out_dir).parent  # the preflight's directory is <artifacts_dir>/runs/<id>/preflight
+    probes = start_tool_probes()    # child processes: they start while the rest is checked
+    try:
+        trackers(cfg, run_dir / "train")
+        disk(cfg, run_dir)
+        finish_tool_probes(probes)
+    finally:
+        for _what, _package, proc in probes:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+
+
+# --- trackers ---------------------------------------------------------------------------------
+
+
+def trackers(cfg: RunConfig, train_dir: Path) -> None:
+    """Every tracker in training.report_to can be written to, as the train stage will write to it."""
+    report_to = cfg.training.report_to
+    if "tensorboard" in report_to:
+        where = tracking.tensorboard_dir(train_dir)
+        why = unwritable(where)
+        if why:
+            raise tracking.TrackerError(f"training.report_to names tensorboard, but its log directory {where.resolve()} cannot be "
+                                        f"written ({why}); make it writable, point artifacts_dir at a writable directory, or remove "
+                                        "tensorboard from training.report_to")
+    if "mlflow" in report_to:
+        mlflow_store(tracking.mlflow_uri(train_dir))
+
+
+def mlflow_store(uri: str) -> None:
+    """An HTTP tracking server answers within HTTP_TIMEOUT_S; a SQLite or file store's directory is writable.
+    Other schemes (databricks, ...) are left to MLflow."""
+    parsed = urllib.parse.urlparse(uri)
+    named = "MLFLOW_TRACKING_URI=" + uri if uri == os.environ.get("MLFLOW_TRACKING_URI") else f"the default {uri}"
+    if parsed.scheme in ("http", "https"):
+        why = unreachable(uri)
+        if why:
+            raise tracking.TrackerError(
+                f"training.report_to names mlflow, but the tracking server {named} does not answer ({why}); start the server "
+                f"(`mlflow server --host {parsed.hostname} --port {parsed.port or (443 if parsed.scheme == 'https' else 80)}`), point "
+                "MLFLOW_TRACKING_URI at one that runs (or unset it: MLflow then logs to a SQLite file in the run), or remove mlflow "
+                "from training.report_to")
+        return
+    if parsed.scheme == "sqlite":  # sqlite:///relative.db, sqlite:////absolute.db (SQLAlchemy's URLs)
+        store = Path(urllib.parse.unquote(parsed.path[1:])).parent
+    elif parsed.scheme in ("", "file"):
+        store = Path(urllib.parse.unquote(parsed.path))
+    else:
+        return
+    why = unwritable(store)
+    if why:
+        raise tracking.TrackerError(f"training.report_to names mlflow, but its store {named} is in {store.resolve()}, which cannot be written "
+                                    f"({why}); point MLFLOW_TRACKING_URI at a writable place, or remove mlflow from training.report_to")
+
+
+def unreachable(url: str) -> str | None:
+    """Why an MLflow server at `url` does not answer its health check, or None when it answers at all
+    (an HTTP error status is an answer: the server is there; MLflow reports what it refuses)."""
+    health = urllib.parse.urljoin(url.rstrip("/") + "/", "health")
+    try:
+        with urllib.request.urlopen(health, timeout=HTTP_TIMEOUT_S):
+            return None
+    except urllib.error.HTTPError:
+        return None
+    except urllib.error.URLError as e:
+        reason = e.reason
+        return f"{reason.strerror or reason}" if isinstance(reason, OSError) else str(reason)
+    except TimeoutError:
+        return f"no answer within {HTTP_TIMEOUT_S} s"
+    except OSError as e:
+        return e.strerror or str(e)
+
+
+def unwritable(directory: Path) -> str | None:
+    """Why files cannot be created in `directory` (made first if missing, as the run makes it), or None.
+    Tried, not inferred from permission bits: root ignores them, a read-only mount does not."""
+    directory = Path(directory).resolve()
+    existing = next(p for p in (directory, *directory.parents) if p.exists())
+    if not existing.is_dir():
+        return f"{existing} is a file, not a directory"
+    try:
+        with tempfile.NamedTemporaryFile(dir=existing, prefix=".tae-write-check-"):
+            return None
+    except OSError as e:
+        return f"{existing}: {e.strerror or e}"
+
+
+# --- export tools -----------------------------------------------------------------------------
+
+
+def start_tool_probes() -> list[tuple[str, str, subprocess.Popen]]:
+    """(what, package, process): the converter's and the llama.cpp process's imports, started as those
+    processes are; the imports export needs in this process are checked here and now."""
+    for package in ("llama_cpp", "gguf"):  # export quantizes with llama_cpp and reads GGUF metadata with gguf in-process
+        import_here(package)
+    converter = llamacpp.converter_dir()  # the script is there and matches the runtime, or how to get it
+    missing = [f for f in ("conversion/__init__.py", "conversion/base.py") if not (converter / f).is_file()]
+    if missing:
+        raise llamacpp.ConverterMismatch(f"the converter in {converter} lacks {', '.join(missing)}; {INSTALL}")
+    return [("llama.cpp's converter (convert_hf_to_gguf.py)", "gguf", gguf_convert.probe(converter)),
+            ("the llama.cpp process (fidelity, tokenizer check, smoke test)", "llama_cpp", llamacpp_process.probe())]
+
+
+def finish_tool_probes(probes: list[tuple[str, str, subprocess.Popen]], timeout: float = PROBE_TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout
+    for what, package, proc in probes:
+        try:
+            out, _ = proc.communicate(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            raise ToolError(f"{what} did not start within {timeout:.0f} s (it imports {package} and exits); {INSTALL}, "
+                            "and check the machine is not overloaded") from None
+        if proc.returncode != 0:
+            lines = [line for line in (out or "").splitlines() if line.strip()]
+            raise MissingPackage(f"{package} cannot be imported by {what}, started as the export starts it "
+                                 f"({lines[-1].strip() if lines else f'exit code {proc.returncode}'}); the export would fail "
+                                 f"after training; {INSTALL}")
+
+
+def import_here(package: str) -> None:
+    try:
+        importlib.import_module(package)
+    except ModuleNotFoundError as e:
+        raise (errors.missing_package(e) or MissingPackage(f"{package} cannot be imported ({e}); {INSTALL}")) from None
+    except Exception as e:  # a broken build: a shared library that does not load
+        raise MissingPackage(f"{package} cannot be imported in this process ({type(e).__name__}: {str(e)[:300]}); {INSTALL}") from None
+
+
+# --- disk ---------------------------------------------------------------------------------------
+
+# Bits per weight of llama.cpp's quantization mixes, from the sizes its quantize tool lists for Llama-3-8B (8.03 B
+# weights, output layer included): Q4_K_M 4.58 GiB -> 4.89. A matrix whose rows are not a multiple of 256 gets the
+# fallback type (stages/quant_types.py): Q4_K -> Q5_0 (5.5 bits), Q5_K -> Q5_1 (6), Q6_K -> Q8_0 (8.5); the _M mixes
+# keep about 1/7 of the weights (half the layers' attn_v and ffn_down) in Q6_K, hence 5.93 and 6.36. The output layer
+# (the input table where tied) gets Q6_K in every K-mix.
+BITS_PER_WEIGHT = {"Q4_K_S": 4.67, "Q4_K_M": 4.89, "Q5_K_S": 5.57, "Q5_K_M": 5.70, "Q6_K": 6.56, "Q8_0": 8.50}
+FALLBACK_BITS = {"Q4_K_S": 5.5, "Q4_K_M": 5.93, "Q5_K_S": 6.0, "Q5_K_M": 6.36, "Q6_K": 8.5, "Q8_0": 8.5}
+OUTPUT_BITS, OUTPUT_FALLBACK_BITS = 6.56, 8.5
+DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
+               "F8_E4M3": 1, "F8_E5M2": 1}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json", "merges.txt", "chat_template.jinja")
+
+
+@dataclass
+class Output:
+    what: str
+    directory: Path       # where it will be written
+    bytes: int
+
+
+def disk(cfg: RunConfig, run_dir: Path) -> None:
+    """The outputs after training fit the free space of the filesystem(s) that will hold them; DiskFull if not."""
+    by_fs: dict[int, tuple[errors.Filesystem, list[Output]]] = {}
+    for out in planned_outputs(cfg, run_dir):
+        fs = errors.Filesystem.of(out.directory)
+        by_fs.setdefault(fs.device, (fs, []))[1].append(out)
+    for fs, outs in by_fs.values():
+        need = sum(o.bytes for o in outs)
+        if need > fs.free:
+            dirs = ", ".join(dict.fromkeys(f"{k} {Path(d).resolve()}" for k, d in (("artifacts_dir", cfg.artifacts_dir),
+                                                                                   ("handoff.dir", cfg.handoff.dir))
+                                           if errors.Filesystem.of(d).device == fs.device))
+            raise DiskFull(errno.ENOSPC,
+                           f"the export and the bundle will need about {errors.gib(need)} on the filesystem mounted at {fs.mount} "
+                           f"({dirs}), which has {fs.describe()}: " + ", ".join(f"{o.what} {errors.gib(o.bytes)}" for o in outs)
+                           + "; free space there, or point artifacts_dir / handoff.dir at a larger disk (they may be on "
+                           "different disks), or export fewer export.quant_types")
+
+
+def planned_outputs(cfg: RunConfig, run_dir: Path) -> list[Output]:
+    """What merge, export and handoff will write, sized from the base model's safetensors headers; outputs
+    of stages this run already finished (a resumed run) are on disk already and not counted."""
+    from stages.modelio import resolve_model_dir
+
+    model_dir = resolve_model_dir(cfg.model.name_or_path)
+    tensors = _tensors(model_dir)
+    tokenizer = sum((model_dir / f).stat().st_size for f in TOKENIZER_FILES if (model_dir / f).is_file())
+    artifacts, handoff = Path(cfg.artifacts_dir), Path(cfg.handoff.dir)
+    outs = []
+    if not (run_dir / "merge" / "merge_result.json").is_file():
+        outs.append(Output("merged model", artifacts, _merged_bytes(model_dir, tensors) + tokenizer))
+    quants = [Output(f"{q} GGUF", artifacts, gguf_bytes(tensors, q) + tokenizer) for q in cfg.export.quant_types]
+    if not (run_dir / "export" / "export_result.json").is_file():
+        outs.append(Output(f"{cfg.export.outtype} GGUF", artifacts, gguf_bytes(tensors, cfg.export.outtype) + tokenizer))
+        outs += quants
+    outs += [Output(f"bundle copy of the {o.what}", handoff, o.bytes) for o in quants]
+    return outs
+
+
+def gguf_bytes(tensors: dict[str, tuple[list[int], str]], kind: str) -> int:
+    """A GGUF of `kind` (f16, bf16, f32, auto or a quant type): matrices at its bits per weight, vectors (norms,
+    biases) in F32 as llama.cpp keeps them."""
+    output = _output_layer(tensors)
+    bits = 0.0
+    for name, (shape, _dtype) in tensors.items():
+        n = _numel(shape)
+        if len(shape) < 2:
+            bits += 32 * n
+        elif kind in BITS_PER_WEIGHT:
+            table = (BITS_PER_WEIGHT, OUTPUT_BITS) if shape[-1] % 256 == 0 else (FALLBACK_BITS, OUTPUT_FALLBACK_BITS)
+            bits += (max(table[0][kind], table[1]) if name == output else table[0][kind]) * n
+        else:
+            bits += (32 if kind == "f32" else 16) * n
+    return int(bits / 8)
+
+
+def _merged_bytes(model_dir: Path, tensors: dict[str, tuple[list[int], str]]) -> int:
+    """merge saves every floating tensor in the base checkpoint's own dtype (config.json's dtype, else bf16)."""
+    import json
+
+    config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    width = 4 if (config.get("dtype") or config.get("torch_dtype")) == "float32" else 2
+    return sum(_numel(shape) * (width if dtype.startswith(("F", "BF")) else DTYPE_BYTES.get(dtype, 1)) for shape, dtype in tensors.values())
+
+
+def _tensors(model_dir: Path) -> dict[str, tuple[list[int], str]]:
+    from stages.modelcheck import read_header
+
+    out = {}
+    for f in sorted(model_dir.glob("*.safetensors")):
+        header, problem = read_header(f)
+        if not problem:  # a broken file stopped the run at config load already
+            out |= {k: (v["shape"], v["dtype"]) for k, v in header.items() if k != "__metadata__"}
+    return out
+
+
+def _output_layer(tensors: dict) -> str | None:
+    """The output layer's weight: lm_head, or the input table where it is tied (no lm_head stored)."""
+    names = list(tensors)
+    return (next((n for n in names if n.endswith("lm_head.weight")), None)
+            or next((n for n in names if n.endswith(("embed_tokens.weight", "wte.weight"))), None))
+
+
+def _numel(shape: list[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n

@@ -24,6 +24,7 @@ import contextlib
 import hashlib
 import json
 import random
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -209,7 +210,35 @@ def _parse(obj: object) -> list[dict]:
         raise ValueError("has no assistant turn, so there is nothing to learn; add a {\"role\": \"assistant\", ...} message")
     if not any(m["content"].strip() for m in msgs if m["role"] == "assistant"):
         raise ValueError("every assistant turn is empty; give the answer to learn")
+    if any(SURROGATE.search(m["content"]) for m in msgs):
+        raise ValueError(_surrogate_problem(obj, "\n".join(m["content"] for m in msgs)))
     return msgs
+
+
+# Half of a UTF-16 pair on its own: JSON lets "\ud800" through, but it is no character; UTF-8 (and every tokenizer)
+# refuses it. A valid pair ("\ud83d\ude00") is one character by the time json.loads returns it.
+SURROGATE = re.compile(r"[\ud800-\udfff]")
+
+
+def _surrogate_problem(obj: object, rendered: str) -> str:
+    field, at, char = _find_surrogate(obj, rendered) or ("a text field", 0, "\ud800")
+    return (f"{field} holds a lone surrogate, \\u{ord(char):04x} at character {at + 1}: half of a UTF-16 pair, not a character, so "
+            "it cannot be tokenized; fix the line: write the character itself (or its whole pair, \\ud83d\\ude00 for one emoji), "
+            "or remove the escape")
+
+
+def _find_surrogate(obj: object, rendered: str, path: str = "") -> tuple[str, int, str] | None:
+    """(field path such as messages[1].content, position, character) of the first lone surrogate in a field
+    whose text is `rendered` (a tag or id field is not trained on)."""
+    if isinstance(obj, str):
+        m = SURROGATE.search(obj) if obj in rendered else None
+        return (path, m.start(), m.group()) if m else None
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, list) else ()
+    for k, v in items:
+        found = _find_surrogate(v, rendered, f"{path}[{k}]" if isinstance(k, int) else f"{path}.{k}" if path else str(k))
+        if found:
+            return found
+    return None
 
 
 def _short(e: Exception) -> str:
@@ -259,12 +288,30 @@ def _starts_with_array(p: Path) -> bool:
 def _load_table(kind: str, p: Path):
     import datasets
 
+    _check_not_empty(kind, p)
     try:
         return datasets.load_dataset(kind, data_files=str(p), split="train",
                                      **({"delimiter": "\t"} if p.suffix.lower() == ".tsv" else {}))
     except Exception as e:  # pyarrow / pandas parse errors: name the file and the cause
         raise DataError(f"{p}: cannot be read as {kind} ({type(e).__name__}: {str(e)[:300]}); check the file, or convert it "
                         "to JSON Lines") from None
+
+
+def _check_not_empty(kind: str, p: Path) -> None:
+    """An empty file or a Parquet file of 0 rows, said as such (datasets fails on them with a generation error)."""
+    if p.stat().st_size == 0:
+        raise DataError(f"{p} is empty (0 bytes); add rows with {FORMS} to it, or point the config at a file that has them")
+    if kind != "parquet":
+        return
+    import pyarrow.parquet as pq
+
+    try:
+        meta = pq.read_metadata(p)
+    except Exception:  # not Parquet at all: load_dataset's own error says so below
+        return
+    if meta.num_rows == 0:
+        raise DataError(f"{p} has no rows (a Parquet file with the columns {', '.join(meta.schema.names) or 'none'} and 0 rows); "
+                        f"add rows with {FORMS} to it, or point the config at a file that has them")
 
 
 def _saved(p: Path, split: str):
@@ -431,11 +478,31 @@ def _encode_all(samples: list[Sample], tokenizer) -> Tokenized:
         except DataError:
             raise
         except Exception as e:  # a template that raises, a tokenizer that chokes on a character
+            if template_at_fault(e):
+                raise DataError(template_problem(tokenizer, e)) from e
             raise DataError(f"{s.id}: the tokenizer or chat template failed on this sample: {type(e).__name__}: {e}") from e
         out.input_ids.append(ids)
         out.labels.append(labels)
         out.ids.append(s.id)
     return out
+
+
+def template_at_fault(e: BaseException) -> bool:
+    """A chat template that does not parse, or that reaches for Python internals (jinja2's sandbox refuses it):
+    whatever the sample, the template is what to fix."""
+    from jinja2.exceptions import SecurityError, TemplateSyntaxError
+
+    return isinstance(e, (SecurityError, TemplateSyntaxError))
+
+
+def template_problem(tokenizer, e: BaseException) -> str:
+    from stages.modelcheck import chat_template_file
+
+    where = chat_template_file(Path(getattr(tokenizer, "name_or_path", "") or "."))
+    why = ("reaches for Python internals, which transformers' sandbox refuses and no chat template needs"
+           if type(e).__name__ == "SecurityError" else "is not valid Jinja")
+    return (f"the chat template in {where} {why} ({type(e).__name__}: {str(e)[:200]}); the model's files are at fault, not the data: "
+            "restore the chat template that came with the model, or replace it with a plain one (its messages loop only)")
 
 
 def _apply_policy(tok: Tokenized, max_length: int, policy: str) -> Tokenized:
@@ -444,16 +511,16 @@ def _apply_policy(tok: Tokenized, max_length: int, policy: str) -> Tokenized:
         out.input_ids.append(row["input_ids"])
         out.labels.append(row["labels"])
         out.ids.append(row["id"])
-    _check_policy(len(out.ids), max_length, policy, too_long)
+    _check_policy(len(out.ids), max_length, policy, too_long, tok.ids)
     return out
 
 
-def _policy_rows(tok: Tokenized, max_length: int, policy: str, report: Tokenized, too_long: list[str]):
+def _policy_rows(tok: Tokenized, max_length: int, policy: str, report: Tokenized, too_long: list[tuple[str, int]]):
     """The rows data.long_sample_policy keeps, truncated where it says; what it truncates or drops
-    goes to `report`, what is too long to `too_long`."""
+    goes to `report`, what is too long to `too_long` (id, tokens)."""
     for ids, labels, sid in zip(tok.input_ids, tok.labels, tok.ids, strict=True):
         if len(ids) > max_length:
-            too_long.append(f"{sid} ({len(ids)} tokens)")
+            too_long.append((sid, len(ids)))
             if policy == "drop":
                 report.dropped.append(sid)
                 continue
@@ -466,14 +533,27 @@ def _policy_rows(tok: Tokenized, max_length: int, policy: str, report: Tokenized
         yield {"input_ids": ids, "labels": labels, "id": sid, "length": len(ids)}
 
 
-def _check_policy(kept: int, max_length: int, policy: str, too_long: list[str]) -> None:
+def _check_policy(kept: int, max_length: int, policy: str, too_long: list[tuple[str, int]], ids: list[str]) -> None:
+    """Args: ids: every sample the policy was applied to (file:line), to name the files an empty result came from."""
     if too_long and policy == "error":
         raise DataError(
-            f"{len(too_long)} sample(s) exceed data.max_length={max_length}: {', '.join(too_long[:MAX_REPORTED])}; "
+            f"{len(too_long)} sample(s) exceed data.max_length={max_length}: "
+            f"{', '.join(f'{sid} ({n} tokens)' for sid, n in too_long[:MAX_REPORTED])}; "
             "raise data.max_length, or set data.long_sample_policy to truncate or drop"
         )
     if not kept:
-        raise DataError("no sample is left to train on after applying data.long_sample_policy; raise data.max_length")
+        files = ", ".join(dict.fromkeys(_source_of(i) for i in ids)) or "the data"
+        why = (f"all {len(ids)} of its samples are longer than data.max_length={max_length} (the shortest has "
+               f"{min(n for _, n in too_long)} tokens) and data.long_sample_policy is {policy}" if policy == "drop" and len(too_long) == len(ids)
+               else f"data.long_sample_policy: {policy} left no sample with an answer token within data.max_length={max_length}")
+        need = min((n for _, n in too_long), default=max_length)
+        raise DataError(f"no sample of {files} is left: {why}; raise data.max_length to at least {need}, or give {files} samples "
+                        "that fit")
+
+
+def _source_of(sample_id: str) -> str:
+    """The file (or dataset) of a sample id: `path:line` or `path:row N`."""
+    return sample_id.rsplit(":", 1)[0] if ":" in sample_id else sample_id
 
 
 def _encode(sample: Sample, tokenizer) -> tuple[list[int], list[int]]:
@@ -593,7 +673,7 @@ def _build(cfg, tokenizer, where: Path) -> None:
                 for row in _policy_rows(part, d.max_length, d.long_sample_policy, report, too_long):
                     writer.write(row)
             kept, _ = writer.finalize()
-        _check_policy(kept, d.max_length, d.long_sample_policy, too_long)
+        _check_policy(kept, d.max_length, d.long_sample_policy, too_long, [s.id for s in samples])
         (tmp / "done.json").write_text(json.dumps({"samples": kept, "truncated": report.truncated, "dropped": report.dropped}))
         tmp.rename(where)  # atomic: a concurrent run that built it first wins, this copy goes
     except OSError:

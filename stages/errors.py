@@ -45,12 +45,68 @@ class DiskFull(UserError, OSError):
 
 
 def no_space(err: OSError, path: str | os.PathLike | None = None) -> DiskFull:
-    """ENOSPC as one message: which file, which device, how much is free."""
-    where = Path(path or err.filename or ".")
-    probe = where if where.exists() else next((p for p in where.parents if p.exists()), Path("."))
-    free = shutil.disk_usage(probe).free / 2**30
-    return DiskFull(errno.ENOSPC, f"no space left on the device of {probe} while writing {where} ({free:.2f} GiB free); "
-                    "free some space (old runs under artifacts_dir/runs, the HF cache) or point artifacts_dir at a larger disk")
+    """ENOSPC as one message: which file, which filesystem (its mount point), how much is free there.
+
+    Args:
+        path: what was being written when `err` does not say (a write() on an open file names no file).
+    """
+    where = Path(err.filename or path or ".").resolve()  # a relative name is relative to this process's directory
+    fs = Filesystem.of(where)
+    return DiskFull(errno.ENOSPC, f"no space left on the filesystem mounted at {fs.mount} ({fs.describe()}) while writing {where}; "
+                    "free some space there (old runs under artifacts_dir/runs, the HF cache) or point artifacts_dir at a larger disk")
+
+
+class Filesystem:
+    """The filesystem a path is on (or would be, once created): its mount point and space."""
+
+    def __init__(self, existing: Path) -> None:
+        self.existing = existing                 # the path, or its nearest existing parent
+        self.device = existing.stat().st_dev
+        self.mount = mount_point(existing)
+        usage = shutil.disk_usage(existing)
+        self.free, self.total = usage.free, usage.total
+
+    @classmethod
+    def of(cls, path: str | os.PathLike) -> Filesystem:
+        p = Path(path).resolve()
+        return cls(next(q for q in (p, *p.parents) if q.exists()))
+
+    def describe(self) -> str:
+        return f"{gib(self.free)} free of {gib(self.total)}"
+
+
+def mount_point(path: Path) -> Path:
+    """The mount point of the filesystem holding `path` (an existing path): the highest parent on the same device."""
+    path = Path(path).resolve()
+    device = path.stat().st_dev
+    for parent in path.parents:
+        if parent.stat().st_dev != device:
+            return path
+        path = parent
+    return path
+
+
+def gib(n: float) -> str:
+    """A size for a message: GiB, or MiB below 1 GiB (a small tmpfs would read 0.00 GiB)."""
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+class MissingPackage(UserError, ImportError):
+    """A package the pipeline needs is not importable in this environment."""
+
+
+# Imported where they are used, after training, by stages that would otherwise fail with a bare ModuleNotFoundError.
+REQUIRED_PACKAGES = {"llama_cpp": "llama-cpp-python", "gguf": "gguf"}
+
+
+def missing_package(err: ModuleNotFoundError) -> MissingPackage | None:
+    """A ModuleNotFoundError for one of REQUIRED_PACKAGES as the install problem it is; None for any other module."""
+    name = (err.name or "").split(".")[0]
+    if name not in REQUIRED_PACKAGES:
+        return None
+    return MissingPackage(f"the Python package {REQUIRED_PACKAGES[name]} (`import {name}`) is not installed in {sys.executable}'s "
+                          "environment; run `bash scripts/install.sh` in it (it builds llama-cpp-python and installs gguf from the "
+                          "converter's gguf-py)")
 
 
 INJECT_ENV = "TAE_INJECT"  # test hook: the fault point to fail at, e.g. export-quantize
@@ -78,6 +134,8 @@ def as_user_error(err: BaseException) -> UserError | None:
             return e
         if isinstance(e, OSError) and e.errno == errno.ENOSPC:
             return no_space(e)
+        if isinstance(e, ModuleNotFoundError) and (missing := missing_package(e)) is not None:
+            return missing
         e = e.__cause__ or e.__context__
     return None
 

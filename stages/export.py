@@ -130,7 +130,7 @@ def _no_partial_files(out_dir: Path):
         for p in out_dir.glob("*.partial"):
             p.unlink(missing_ok=True)
         if isinstance(e, OSError) and e.errno == errno.ENOSPC and not isinstance(e, errors.DiskFull):
-            raise errors.no_space(e) from e
+            raise errors.no_space(e, out_dir) from e  # a write() names no file: the export directory is what was written
         raise
 
 

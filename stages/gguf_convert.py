@@ -14,6 +14,7 @@ others, that the GGUF tokenizes exactly as the HF tokenizer does.
 from __future__ import annotations
 
 import ast
+import errno
 import json
 import os
 import re
@@ -23,7 +24,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from stages import llamacpp, memory
+from stages import errors, llamacpp, memory
 
 ROOT = Path(__file__).resolve().parent.parent
 MARK = "train-and-export: BPE pre-tokenizer not in the converter's table; tokenizer.json's pre_tokenizer is llama.cpp's"
@@ -68,6 +69,8 @@ def convert(meter: memory.track, converter: Path, merged_dir: Path, dst: Path, o
     if proc.returncode != 0 or not tmp.is_file():
         print(*out.splitlines()[-40:], sep="\n")
         tmp.unlink(missing_ok=True)
+        if "No space left on device" in out:  # the converter's OSError, in its own process: said as the full disk it is
+            raise errors.no_space(OSError(errno.ENOSPC, "No space left on device", str(tmp)))
         unsupported = re.search(r"Model (\S+) is not supported", out)
         if unsupported:
             raise llamacpp.UnsupportedArchitecture(
@@ -93,6 +96,24 @@ def convert(meter: memory.track, converter: Path, merged_dir: Path, dst: Path, o
                and line.strip() != "WARNING:hf-to-gguf:"]
     print(summary(merged_dir, llamacpp.read_gguf(dst), dst, log, used), *notable, sep="\n")
     return Converted(dst, log, used)
+
+
+# What convert_hf_to_gguf.py does before its first line of work: its own directory first on sys.path, then its gguf-py
+# (unless NO_LOCAL_GGUF), then `import gguf`. The converter itself imports torch; the probe does not need to.
+PROBE = """import os, sys
+sys.path[0] = sys.argv[1]
+if 'NO_LOCAL_GGUF' not in os.environ:
+    sys.path.insert(1, os.path.join(sys.argv[1], 'gguf-py'))
+import gguf
+print('gguf', getattr(gguf, '__file__', '?'))
+"""
+
+
+def probe(converter: Path) -> subprocess.Popen:
+    """A process started as the converter is (this interpreter, this environment) that imports what the converter
+    imports from its own tree (gguf) and exits: checked before training (stages/checks.py reads the outcome)."""
+    return subprocess.Popen([sys.executable, "-c", PROBE, str(converter)], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
 
 
 def summary(merged_dir: Path, info: dict, dst: Path, log: Path, pre: str | None) -> str:

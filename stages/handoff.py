@@ -111,9 +111,11 @@ def run(
         except BaseException as e:
             shutil.rmtree(tmp, ignore_errors=True)
             if isinstance(e, OSError) and e.errno == errno.ENOSPC:
-                need = sum(Path(p).stat().st_size for _q, p in gguf_files) / 2**30
-                raise DiskFull(errno.ENOSPC, f"disk full while writing the bundle under {root} (it needs {need:.2f} GiB); "
-                               "nothing was published and `latest` is unchanged; free space and run again") from e
+                need = sum(Path(p).stat().st_size for _q, p in gguf_files)
+                fs = errors.Filesystem.of(root)
+                raise DiskFull(errno.ENOSPC, f"disk full while writing the bundle under {root.resolve()} (it needs {errors.gib(need)}; "
+                               f"the filesystem mounted at {fs.mount} has {fs.describe()}); nothing was published and `latest` "
+                               "is unchanged; free space there and run again, or point handoff.dir at a larger disk") from e
             raise
         _point_latest(root, version)
     return HandoffResult(final, final / "manifest.json", version, names, meter.report)

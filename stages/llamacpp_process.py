@@ -41,12 +41,8 @@ class LlamaProcess:
     def __init__(self, what: str = "llama.cpp") -> None:
         self.what = what  # named in the error if the process dies
         read_fd, write_fd = os.pipe()
-        env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-        try:  # -P: a `stages` package in the caller's working directory must not shadow this one
-            self.proc = subprocess.Popen(
-                [sys.executable, "-P", "-X", "faulthandler", "-m", "stages.llamacpp_process", str(write_fd)],
-                stdin=subprocess.PIPE, pass_fds=(write_fd,), env=env,
-            )
+        try:
+            self.proc = subprocess.Popen(command(str(write_fd)), stdin=subprocess.PIPE, pass_fds=(write_fd,), env=environment())
         except BaseException:
             os.close(read_fd)
             raise
@@ -99,6 +95,25 @@ class LlamaProcess:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def command(arg: str) -> list[str]:
+    """How the llama.cpp process starts. -P: a `stages` package in the caller's working directory must not shadow this one."""
+    return [sys.executable, "-P", "-X", "faulthandler", "-m", "stages.llamacpp_process", arg]
+
+
+def environment() -> dict:
+    return os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+
+
+PROBE = "--probe"
+
+
+def probe() -> subprocess.Popen:
+    """A llama.cpp process started as every one is, that only imports llama_cpp and exits: what export, fidelity
+    and smoke will need after training, checked before it (stages/checks.py reads the outcome)."""
+    return subprocess.Popen(command(PROBE), env=environment(), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
 
 
 # --- the child ------------------------------------------------------------------------
@@ -187,6 +202,16 @@ def _serve(result_fd: int) -> None:
         _llm.close()
 
 
+def _probe() -> None:
+    import llama_cpp
+
+    assert "torch" not in sys.modules, "importing llama_cpp pulled in torch"
+    print(f"llama_cpp {llama_cpp.__version__}")
+
+
 if __name__ == "__main__":
     assert "torch" not in sys.modules, "the llama.cpp process must not import torch"
-    _serve(int(sys.argv[1]))
+    if sys.argv[1] == PROBE:
+        _probe()
+    else:
+        _serve(int(sys.argv[1]))

@@ -14,7 +14,9 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import re
 import struct
+from dataclasses import dataclass, field
 from pathlib import Path
 
 LFS_POINTER = b"version https://git-lfs"
@@ -35,7 +37,9 @@ def _check(model_dir: Path, trust_remote_code: bool, _stamp: tuple) -> tuple[str
     config = _config(model_dir, trust_remote_code, problems)
     tensors = _safetensors(model_dir, problems)
     if config and tensors:
-        problems += _shapes(config, tensors)
+        sizes = _shapes(config, tensors)
+        # sizes that contradict the config are already the clearest message; a tensor-by-tensor comparison would repeat it
+        problems += sizes or _architecture(config, tensors, model_dir, trust_remote_code)
     problems += _tokenizer(model_dir, trust_remote_code)
     return tuple(problems)
 
@@ -145,6 +149,160 @@ def _shapes(config: dict, tensors: dict[str, dict]) -> list[str]:
     return problems
 
 
+# model_types tried, on a mismatch, for one whose architecture expects exactly these tensors (the families
+# people fine-tune most; only built on that error path)
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "olmo2", "granite", "stablelm", "starcoder2")
+SHOWN = 3  # example tensor names per kind of mismatch
+
+
+@dataclass
+class Gap:
+    """How the tensors of the weights differ from those an architecture expects (names as the model has them)."""
+
+    missing: list[str] = field(default_factory=list)                        # expected, in no weights file
+    shapes: list[tuple[str, tuple, tuple]] = field(default_factory=list)    # (name, expected, in the file)
+    unexpected: list[str] = field(default_factory=list)                     # in the files, with no place in the model
+    compared: int = 0                                                        # expected tensors found and compared
+
+    def __bool__(self) -> bool:
+        return bool(self.missing or self.shapes or self.unexpected)
+
+    def describe(self) -> str:
+        parts = []
+        if self.missing:
+            parts.append(f"{len(self.missing)} tensor(s) it expects are in no weights file (e.g. {', '.join(self.missing[:SHOWN])})")
+        if self.shapes:
+            parts.append(f"{len(self.shapes)} tensor(s) have another shape (e.g. "
+                         + ", ".join(f"{n} is {list(got)}, expected {list(want)}" for n, want, got in self.shapes[:SHOWN]) + ")")
+        if self.unexpected:
+            parts.append(f"{len(self.unexpected)} tensor(s) in the weights have no place in it (e.g. {', '.join(self.unexpected[:SHOWN])})")
+        return "; ".join(parts)
+
+
+def _architecture(config: dict, tensors: dict[str, dict], model_dir: Path, trust_remote_code: bool) -> list[str]:
+    """The tensors the architecture config.json names expects (built on the meta device) against those the
+    safetensors headers hold: a model_type of another family loads with tensors missing (initialised at random,
+    with only a warning) or ignored, and the run trains on a broken model, or dies in a library traceback."""
+    from stages import architecture
+
+    arch = architecture.from_config(config, trust_remote_code, str(model_dir))
+    if arch is None or not arch.parameters:  # not buildable here: the size checks above are all there is
+        return []
+    gap = compare(arch, tensors, quantized=bool(config.get("quantization_config")))
+    if not gap:
+        return []
+    fits = None if trust_remote_code and config.get("auto_map") else _family_that_fits(config, tensors, arch.model_type)
+    fix = (f"set model_type to {fits[0]!r} (and architectures to [{fits[1]!r}]) in config.json, or use the config.json that came "
+           "with these weights" if fits else "use the config.json that came with these weights")
+    return [f"{model_dir / 'config.json'}: model_type {arch.model_type!r} ({arch.model_class}) does not match the weights: {gap.describe()}; "
+            f"the config does not belong to these weights: {fix}"]
+
+
+def compare(arch, tensors: dict[str, dict], quantized: bool = False) -> Gap:
+    """`tensors` (safetensors header entries by checkpoint name) against `arch.parameters`, each checkpoint name
+    renamed as transformers renames it on load (its conversion mapping, a missing or extra base-model prefix).
+
+    What is not a mismatch: a tied output layer absent from the checkpoint; parameters the model class lets
+    be missing; tensors transformers fuses on load (MoE experts: their parts are not compared); buffers and
+    tensors outside the model's layers (rotary inv_freq, multi-token-prediction layers, a vision tower).
+    Quantized checkpoints hold packed weights and extra tensors: there, a module counts as present when any
+    tensor under its name is, and only 16/32-bit tensors are compared or counted as unexpected."""
+    expected = arch.parameters
+    rename = _renamer(arch)
+    ignored = _ignored(arch, "_keys_to_ignore_on_load_unexpected")
+    found: dict[str, dict] = {}
+    fused: set[str] = set()
+    unexpected = []
+    modules = set()  # quantized: the modules any tensor is stored under (GPTQ's q_proj.qweight counts for q_proj.weight)
+    for key, t in tensors.items():
+        name, converted = rename(key)
+        if quantized:
+            modules.add(name.rsplit(".", 1)[0])
+        if converted:
+            fused.add(name)
+        elif name in expected:
+            found[name] = t
+        elif _has_place(name, expected) and t.get("dtype") in FLOAT_DTYPES and not quantized and not any(p.search(name) for p in ignored):
+            unexpected.append(name)
+    present = set(found) | fused
+    optional = _may_be_missing(arch)
+    missing = [n for n in expected if n not in present and not any(p.search(n) for p in optional)
+               and not (quantized and n.rsplit(".", 1)[0] in modules)]
+    shapes = [(n, expected[n], tuple(t["shape"])) for n, t in found.items()
+              if t.get("dtype") in FLOAT_DTYPES and tuple(t["shape"]) != tuple(expected[n])]
+    return Gap(missing, shapes, unexpected, len(found))
+
+
+def _renamer(arch):
+    """checkpoint name -> (name in the model, fused on load), as transformers' loader renames it."""
+    try:
+        import transformers
+        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, rename_source_key
+    except ImportError:  # another transformers layout: compare names as they are
+        return lambda key: (key, False)
+    transforms = [*(get_checkpoint_conversion_mapping(arch.model_class) or get_checkpoint_conversion_mapping(arch.model_type) or []),
+                  *(get_checkpoint_conversion_mapping("legacy") or [])]
+    renamings = [t for t in transforms if not isinstance(t, WeightConverter)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    prefix = getattr(getattr(transformers, arch.model_class, None), "base_model_prefix", None) or None
+
+    def rename(key: str) -> tuple[str, bool]:
+        try:
+            name, converter = rename_source_key(key, renamings, converters, prefix, arch.parameters)
+        except Exception:  # a pattern this transformers cannot apply to the name: leave it as it is
+            return key, False
+        return name, converter is not None
+
+    return rename
+
+
+def _may_be_missing(arch) -> list[re.Pattern]:
+    """Parameters a checkpoint may leave out: the output layer when tied to the input table, and what the
+    model class declares (_keys_to_ignore_on_load_missing)."""
+    tied = [re.compile(rf"(^|\.){re.escape(arch.output_layer)}\.weight$")] if arch.tied and arch.output_layer else []
+    return tied + _ignored(arch, "_keys_to_ignore_on_load_missing")
+
+
+def _ignored(arch, attribute: str) -> list[re.Pattern]:
+    """The name patterns the model class tells transformers' loader to pass over silently."""
+    import transformers
+
+    out = []
+    for p in getattr(getattr(transformers, arch.model_class, None), attribute, None) or []:
+        try:
+            out.append(re.compile(p))
+        except re.error:
+            continue
+    return out
+
+
+def _has_place(name: str, expected: dict) -> bool:
+    """A weight or bias inside a block the model has (a bias on its q_proj, a q_norm in its attention): the
+    weights were made for another layout of the same model. Buffers (inv_freq), layers past the model's
+    (multi-token prediction) and whole towers it lacks (vision) are not counted."""
+    if not name.endswith((".weight", ".bias")) or name.count(".") < 2:
+        return False
+    block = name.rsplit(".", 2)[0] + "."
+    return any(n.startswith(block) for n in expected)
+
+
+def _family_that_fits(config: dict, tensors: dict[str, dict], model_type: str) -> tuple[str, str] | None:
+    """(model_type, architecture class) of a common family whose architecture expects exactly these tensors."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    from stages import architecture
+
+    quantized = bool(config.get("quantization_config"))
+    for family in FAMILIES:
+        if family == model_type or family not in CONFIG_MAPPING:
+            continue
+        arch = architecture.from_config({k: v for k, v in config.items() if k not in ("architectures", "auto_map")} | {"model_type": family})
+        if arch is not None and arch.parameters and not compare(arch, tensors, quantized):
+            return family, arch.model_class
+    return None
+
+
 def _layer_index(name: str) -> str | None:
     parts = name.split(".")
     for i, p in enumerate(parts[:-1]):
@@ -173,4 +331,30 @@ def _tokenizer(model_dir: Path, trust_remote_code: bool) -> list[str]:
     if len(ids) < 8 or unknown > len(ids) // 2:
         return [f"{model_dir}: the tokenizer turns a 15-word sentence into {len(ids)} token(s) ({unknown} unknown): its vocabulary "
                 "is missing or wrong (tokenizer.model / tokenizer.json); restore the tokenizer files from the model's source"]
+    return _template(tok)
+
+
+PROBE_CHAT = [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "Hi"}]
+
+
+def _template(tok) -> list[str]:
+    """A chat template that does not parse or reaches for Python internals, named as the culprit now, not as
+    a failure on the first data line. A template that raises on this probe for other reasons (roles it wants
+    alternating, a system turn it requires) is judged on the real data later."""
+    if not tok.chat_template:
+        return []  # loading the tokenizer for the run says so, with the fix
+    from stages import data
+
+    try:
+        tok.apply_chat_template(PROBE_CHAT, tokenize=False)
+    except Exception as e:  # noqa: BLE001 - only the template's own faults are reported here
+        if data.template_at_fault(e):
+            return [data.template_problem(tok, e)]
     return []
+
+
+def chat_template_file(model_dir: Path) -> str:
+    """Where a model directory's chat template is: chat_template.jinja, which transformers reads first, else
+    tokenizer_config.json's `chat_template`."""
+    jinja = Path(model_dir) / "chat_template.jinja"
+    return str(jinja) if jinja.is_file() else f"{Path(model_dir) / 'tokenizer_config.json'} (its chat_template)"

@@ -18,15 +18,58 @@ the steps replayed after the checkpoint are then logged twice; MLflow keeps both
 MLFLOW_NESTED_RUN are not used: the stage opens its own run.
 
 Only the process of rank 0 reports.
+
+A tracker the config asks for must work: the preflight checks that the MLflow server answers (or the
+SQLite / file store's directory is writable) and that the TensorBoard directory is writable, and stops
+the run before training if not (stages/checks.py). During the run, MLflow's HTTP client retries are
+bounded (HTTP_BOUNDS, unless MLFLOW_HTTP_REQUEST_* are set): a server that goes away mid-run costs
+seconds, not MLflow's default of 7 retries with backoff (about 4 minutes per call), and the run stops with
+one message (TrackerError) saying how to resume; the checkpoints are kept.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
 
 from stages.config import RunConfig
+from stages.errors import UserError
+
+# MLflow's HTTP client, unless the user set these: 2 retries 1-2 s apart, 10 s per attempt (worst case about 35 s for
+# a server that accepts connections and never answers; a refused connection fails in about 3 s).
+HTTP_BOUNDS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
+
+
+class TrackerError(UserError, RuntimeError):
+    """A tracker training.report_to names cannot be reached or written to."""
+
+
+def default_uri(out_dir: Path) -> str:
+    """Where MLflow logs without MLFLOW_TRACKING_URI: a SQLite store in the train stage's directory."""
+    return f"sqlite:///{(Path(out_dir) / 'mlflow.db').resolve()}"
+
+
+def mlflow_uri(out_dir: Path) -> str:
+    return os.environ.get("MLFLOW_TRACKING_URI") or default_uri(out_dir)
+
+
+def tensorboard_dir(out_dir: Path) -> Path:
+    return Path(out_dir) / "tensorboard"
+
+
+@contextlib.contextmanager
+def bounded_http():
+    """HTTP_BOUNDS in the environment while the block runs (MLflow reads them at every request); a user's own
+    MLFLOW_HTTP_REQUEST_* settings win."""
+    added = {k: v for k, v in HTTP_BOUNDS.items() if k not in os.environ}
+    os.environ.update(added)
+    try:
+        yield
+    finally:
+        for k in added:
+            os.environ.pop(k, None)
 
 
 class Tracker:
@@ -47,24 +90,52 @@ class Tracker:
         self.writer = None         # this attempt's SummaryWriter
         self.trainer_args = None   # the TrainingArguments the MLflow run's params came from
         self.run_id: str | None = None
+        self._bounds = contextlib.ExitStack()
+        self._uri_before = os.environ.get("MLFLOW_TRACKING_URI")  # put back on exit
 
     # --- lifecycle -------------------------------------------------------------------------
 
     def __enter__(self) -> Tracker:
         if self.mlflow:
-            self._start_mlflow()
+            self._bounds.enter_context(bounded_http())
+            try:
+                self._start_mlflow()
+            except Exception as e:
+                import mlflow
+
+                self._bounds.close()
+                mlflow.set_tracking_uri(self._uri_before)
+                if _unreachable(e):
+                    raise self._lost(e) from e
+                raise
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
         if self.writer is not None:
             self.writer.close()
             self.writer = None
-        if self.mlflow:
-            import mlflow
+        if not self.mlflow:
+            return
+        import mlflow
 
+        try:
             if mlflow.active_run() is not None:
                 mlflow.end_run(status="FINISHED" if exc_type is None else "KILLED" if exc_type is KeyboardInterrupt else "FAILED")
+        except Exception as e:  # the server went away: the error training stopped with (if any) is the one to tell
+            if exc is None:
+                raise self._lost(e) from e
+        finally:
             mlflow.set_tracking_uri(self._uri_before)  # None also clears the MLFLOW_TRACKING_URI it exported
+            self._bounds.close()
+        if exc is not None and _unreachable(exc):
+            raise self._lost(exc) from exc
+
+    def _lost(self, e: BaseException) -> TrackerError:
+        uri = mlflow_uri(self.out_dir)
+        return TrackerError(
+            f"the MLflow tracking server at {uri} stopped answering during training ({_first_line(e)}); the checkpoints in "
+            f"{self.out_dir.resolve()} are kept: start the server again (or point MLFLOW_TRACKING_URI at one that runs, or remove "
+            "mlflow from training.report_to) and rerun with the same --run-id to resume")
 
     def callbacks(self, resume_step: int) -> list:
         """Fresh Trainer callbacks for one attempt (a new Trainer each: resume, OOM recovery)."""
@@ -126,8 +197,7 @@ class Tracker:
     def _start_mlflow(self) -> None:
         import mlflow
 
-        self._uri_before = os.environ.get("MLFLOW_TRACKING_URI")
-        uri = self._uri_before or f"sqlite:///{(self.out_dir / 'mlflow.db').resolve()}"
+        uri = mlflow_uri(self.out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         mlflow.set_tracking_uri(uri)
         params = flatten(json.loads(self.cfg.model_dump_json()))
@@ -184,9 +254,17 @@ def log_export(cfg: RunConfig, train_dir: Path, fidelity: list[dict], smoke: dic
 
         run = json.loads(saved.read_text())
         client = MlflowClient(run["tracking_uri"])
-        client.log_batch(run["run_id"], metrics=[Metric(k, v, 0, 0) for k, v in metrics.items()])
-        client.log_text(run["run_id"], table + "\n", "export/fidelity.md")
-        client.log_dict(run["run_id"], {"fidelity": fidelity, "smoke": smoke}, "export/fidelity.json")
+        try:
+            with bounded_http():
+                client.log_batch(run["run_id"], metrics=[Metric(k, v, 0, 0) for k, v in metrics.items()])
+                client.log_text(run["run_id"], table + "\n", "export/fidelity.md")
+                client.log_dict(run["run_id"], {"fidelity": fidelity, "smoke": smoke}, "export/fidelity.json")
+        except Exception as e:
+            if not _unreachable(e):
+                raise
+            raise TrackerError(f"the MLflow tracking server at {run['tracking_uri']} does not answer ({_first_line(e)}), so the export's "
+                               "figures cannot be logged to the training run; nothing was published: start the server again and "
+                               "rerun with the same --run-id (the finished stages are not redone)") from e
 
 
 def flatten(d: dict, prefix: str = "") -> dict[str, str]:
@@ -198,6 +276,27 @@ def flatten(d: dict, prefix: str = "") -> dict[str, str]:
         else:
             out[f"{prefix}{k}"] = json.dumps(v) if isinstance(v, (list, type(None))) else str(v)
     return out
+
+
+def _unreachable(e: BaseException) -> bool:
+    """Whether `e` (or what it was raised from) is MLflow failing to reach its HTTP server, not a bug or a refusal."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        name = type(e).__module__ + "." + type(e).__name__
+        if isinstance(e, (ConnectionError, TimeoutError)):
+            return True
+        if name.startswith(("requests.exceptions.", "urllib3.exceptions.")) and any(w in name for w in ("Connection", "Timeout", "MaxRetry")):
+            return True
+        if type(e).__name__ == "MlflowException" and str(e).startswith("API request to ") and " failed with exception " in str(e):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0][:200] if text else ''}"
 
 
 def _get_run(client, run_id: str):

@@ -12,8 +12,13 @@ case, whatever its message says:
      and no adapter was trained.
 Accepted cases are inputs users have that must simply work (other encodings, compression,
 OpenAI message fields): they must read to exactly the samples of the plain UTF-8 file.
-Adding a case is one line in CASES. The suite writes tests/reliability_summary.json (cases tried
-and passed per category), which the README's reliability section quotes.
+Adding a case is one line in CASES. A case about the environment rather than the files gives `env`
+(variables set for the run: a tracker URI, a PYTHONPATH on which a package fails to import) and,
+where the run must start with it, `fresh` (a new process) or `mounts` (filesystems mounted for that
+process alone, in a user and mount namespace: a full disk, a read-only directory). The cases found
+before training (`before_training`) are also refused by `python -m stages.preflight` alone. The
+suite writes tests/reliability_summary.json (cases tried and passed per category), which the
+README's reliability section quotes.
 """
 
 from __future__ import annotations
@@ -53,6 +58,10 @@ class Case:
     setup: object           # (ws) -> None: breaks the workspace
     names: str              # what the message must name (a file name, a key, a value)
     args: tuple = ()        # extra CLI arguments
+    env: object = None      # (ws) -> {variable: value} for the run
+    fresh: bool = False     # the run starts in a new process (what `env` breaks is read at start-up)
+    mounts: object = None   # (ws) -> shell commands mounting filesystems for the run's process alone
+    before_training: bool = False  # the preflight's own checks find it: `python -m stages.preflight` refuses it too
 
 
 class Workspace:
@@ -130,6 +139,80 @@ def _truncate(path: Path, keep: float) -> None:
     path.write_bytes(data[: int(len(data) * keep)])
 
 
+def _free_port() -> int:
+    """A local port nothing listens on: bound to get a free one, then closed."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _unimportable(ws: Workspace, *packages: str) -> str:
+    """A folder that, first on PYTHONPATH, makes `packages` fail to import as they do when not installed."""
+    shadow = ws.tmp / "shadow"
+    for name in packages:
+        (shadow / name).mkdir(parents=True)
+        (shadow / name / "__init__.py").write_text(f'raise ModuleNotFoundError("No module named {name!r}", name={name!r})\n')
+    return str(shadow)
+
+
+def _broken_converter(ws: Workspace) -> dict:
+    """A copy of the converter whose own gguf-py does not import (a cache damaged after install)."""
+    from stages import llamacpp
+
+    copy = ws.tmp / "converter"
+    shutil.copytree(llamacpp.converter_dir(), copy, ignore=shutil.ignore_patterns("__pycache__"))
+    (copy / "gguf-py" / "gguf" / "__init__.py").write_text("raise ImportError('gguf-py damaged: cannot import name GGUFWriter')\n")
+    return {"TAE_CONVERTER_DIR": str(copy)}
+
+
+def _tmpfs(ws: Workspace, key: str, size: str) -> list[str]:
+    """`key` (artifacts_dir or handoff.dir) on a tmpfs of `size` of its own."""
+    where = ws.tmp / f"small-{key.replace('.', '-')}"
+    where.mkdir(exist_ok=True)
+    return [f"mount -t tmpfs -o size={size} tmpfs {where}"]
+
+
+def _on_tmpfs(ws: Workspace, key: str) -> None:
+    where = ws.tmp / f"small-{key.replace('.', '-')}"
+    if key == "handoff.dir":
+        ws.set("handoff", dir=str(where))
+    else:
+        ws.sections[key] = str(where)
+
+
+def _read_only_tensorboard(ws: Workspace) -> list[str]:
+    where = ws.tmp / "artifacts" / "runs" / "tb" / "train" / "tensorboard"
+    where.mkdir(parents=True, exist_ok=True)
+    return [f"mount --bind {where} {where}", f"mount -o remount,bind,ro {where}"]
+
+
+def _chat_template(ws: Workspace, template: str) -> None:
+    path = ws.model / "tokenizer_config.json"
+    path.write_text(json.dumps(json.loads(path.read_text()) | {"chat_template": template}))
+
+
+ESCAPE = "{{ ''.__class__.__mro__[1].__subclasses__() }}"
+PLAIN_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+
+
+def _empty_parquet(ws: Workspace) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = ws.data / "empty.parquet"
+    pq.write_table(pa.table({"prompt": pa.array([], pa.string()), "completion": pa.array([], pa.string())}), path)
+    ws.set("data", train_file=str(path))
+
+
+def _long_eval(ws: Workspace) -> None:
+    """Every eval sample over data.max_length (64 tokens), each prompt within smoke.n_ctx; the policy drops them."""
+    ws.eval.write_text("".join(json.dumps({"prompt": "Translate to French: " + "red cat " * 40, "completion": "rouge chat"}) + "\n"
+                               for _ in range(3)))
+    ws.set("data", long_sample_policy="drop")
+
+
 def _published(ws: Workspace) -> None:
     (ws.tmp / "handoff" / "tiny-llama-translate" / "taken").mkdir()
 
@@ -182,6 +265,13 @@ CASES = [
     Case("data", "eval_file empty", lambda ws: ws.eval.write_text(""), "translate_eval.jsonl"),
     Case("data", "eval_file without answers", lambda ws: ws.eval.write_text(json.dumps({"messages": [{"role": "user", "content": "x"}]}) + "\n"),
          "translate_eval.jsonl:1"),
+    Case("data", "every eval sample dropped as too long", _long_eval, "translate_eval.jsonl", before_training=True),
+    Case("data", "a Parquet file of 0 rows", _empty_parquet, "empty.parquet has no rows", before_training=True),
+    Case("data", "a lone surrogate in a prompt", lambda ws: ws.lines(GOOD, '{"prompt": "red \\ud800 cat", "completion": "rouge chat"}'),
+         "translate_train.jsonl:2: prompt holds a lone surrogate", before_training=True),
+    Case("data", "a lone surrogate in a message", lambda ws: ws.lines({"messages": [{"role": "user", "content": "red cat"},
+                                                                                 {"role": "assistant", "content": "rouge \udc00"}]}),
+         "translate_train.jsonl:1: messages[1].content", before_training=True),
     # config
     Case("config", "unknown key", lambda ws: ws.set("lora", rank=8), "lora.rank"),
     Case("config", "misspelt section", lambda ws: ws.set("trainng", max_steps=3), "trainng"),
@@ -210,6 +300,25 @@ CASES = [
     Case("config", "a budget the weights do not fit", lambda ws: ws.set("preflight", gpu_memory_gib=0.004), "weights"),
     Case("config", "a budget the step does not fit", lambda ws: ws.set("preflight", gpu_memory_gib=0.02), "max_tokens_per_batch"),
     Case("config", "smoke context shorter than the prompts", lambda ws: ws.set("smoke", n_ctx=20), "smoke.n_ctx"),
+    # trackers, export tools, disk: found by the preflight, before any training
+    Case("environment", "MLflow server at a closed port", lambda ws: ws.set("training", report_to=["mlflow"]), "MLFLOW_TRACKING_URI",
+         env=lambda ws: {"MLFLOW_TRACKING_URI": f"http://127.0.0.1:{_free_port()}"}, before_training=True),
+    Case("environment", "TensorBoard log directory read-only", lambda ws: ws.set("training", report_to=["tensorboard"]), "tensorboard",
+         args=("--run-id", "tb"), mounts=_read_only_tensorboard, before_training=True),
+    Case("environment", "artifacts_dir on a disk too small for the export", lambda ws: _on_tmpfs(ws, "artifacts_dir"), "small-artifacts_dir",
+         mounts=lambda ws: _tmpfs(ws, "artifacts_dir", "4m"), before_training=True),
+    Case("environment", "handoff.dir on a disk too small for the bundle", lambda ws: _on_tmpfs(ws, "handoff.dir"), "small-handoff-dir",
+         mounts=lambda ws: _tmpfs(ws, "handoff.dir", "1m"), before_training=True),
+    Case("environment", "llama_cpp not importable in the llama.cpp process", lambda ws: None, "llama_cpp",
+         env=lambda ws: {"PYTHONPATH": _unimportable(ws, "llama_cpp")}, before_training=True),
+    Case("environment", "gguf not importable where the converter runs", lambda ws: None, "gguf",
+         env=_broken_converter, before_training=True),
+    Case("environment", "gguf not installed", lambda ws: None, "gguf",
+         env=lambda ws: {"PYTHONPATH": _unimportable(ws, "gguf"), "NO_LOCAL_GGUF": "1"}, fresh=True, before_training=True),
+    Case("environment", "llama-cpp-python not installed", lambda ws: None, "llama-cpp-python",
+         env=lambda ws: {"PYTHONPATH": _unimportable(ws, "llama_cpp")}, fresh=True, before_training=True),
+    Case("environment", "the converter missing from the cache", lambda ws: None, "convert_hf_to_gguf.py",
+         env=lambda ws: {"TAE_CONVERTER_DIR": str(ws.tmp / "no-converter")}, before_training=True),
     # model files
     Case("model", "model directory missing", lambda ws: shutil.rmtree(ws.model), "model"),
     Case("model", "no config.json", lambda ws: (ws.model / "config.json").unlink(), "config.json"),
@@ -234,6 +343,20 @@ CASES = [
         {k: v for k, v in json.loads((ws.model / "tokenizer_config.json").read_text()).items() if k != "chat_template"})), "chat template"),
     Case("model", "shard index names a missing shard", lambda ws: (ws.model / "model.safetensors.index.json").write_text(json.dumps(
         {"weight_map": {"lm_head.weight": "model-00002-of-00002.safetensors"}})), "model-00002-of-00002.safetensors"),
+    Case("model", "model_type with q/k/v biases on Llama weights", lambda ws: _model_config(ws, model_type="qwen2",
+                                                                                           architectures=["Qwen2ForCausalLM"]), "q_proj.bias",
+         before_training=True),
+    Case("model", "model_type with q/k norms on Llama weights", lambda ws: _model_config(ws, model_type="qwen3",
+                                                                                        architectures=["Qwen3ForCausalLM"]), "q_norm",
+         before_training=True),
+    Case("model", "model_type with fused projections on Llama weights", lambda ws: _model_config(ws, model_type="phi3",
+                                                                                                architectures=["Phi3ForCausalLM"]), "qkv_proj",
+         before_training=True),
+    Case("model", "chat template reaching for Python internals", lambda ws: _chat_template(ws, PLAIN_TEMPLATE + ESCAPE),
+         "tokenizer_config.json (its chat_template)", before_training=True),
+    Case("model", "chat template whose escape only some data triggers", lambda ws: _chat_template(
+        ws, "{% for m in messages %}{{ m['content'] }}{% if 'Translate' in m['content'] %}" + ESCAPE + "{% endif %}{% endfor %}"),
+         "tokenizer_config.json (its chat_template)", before_training=True),
     # runs
     Case("run", "run id climbing out", lambda ws: None, "../escape", args=("--run-id", "../escape")),
     Case("run", "run id with a slash", lambda ws: None, "a/b", args=("--run-id", "a/b")),
@@ -251,7 +374,7 @@ def summary():
 
 
 @pytest.mark.parametrize("case", CASES, ids=[f"{c.category}: {c.name}" for c in CASES])
-def test_refused_with_one_clear_message(case, tmp_path, capfd, prefect_harness):
+def test_refused_with_one_clear_message(case, tmp_path, capfd, prefect_harness, monkeypatch):
     from flows.train_and_export import main
 
     TRIED[case.category] += 1
@@ -260,17 +383,63 @@ def test_refused_with_one_clear_message(case, tmp_path, capfd, prefect_harness):
     if ws.sections is not None:
         ws.write()
     handoff = tree_hash(tmp_path / "handoff")
-    code = main(["--config", str(ws.config), *case.args])
-    out, err = capfd.readouterr()
-    stopped = [line for line in err.splitlines() if line.startswith("train-and-export stopped: ")]
-    assert code == 2, (code, err[-2000:])
+    env = case.env(ws) if case.env else {}
+    if case.fresh or case.mounts:
+        code, out, err = _in_new_process(case, ws, ["flows.train_and_export", "--config", str(ws.config), *case.args], env)
+    else:
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        code = main(["--config", str(ws.config), *case.args])
+        out, err = capfd.readouterr()
+    _judge(case, code, out, err, "train-and-export")
+    assert tree_hash(tmp_path / "handoff") == handoff, "the hand-off directory changed"
+    assert not list((tmp_path / "artifacts").glob("runs/*/train/adapter")), "an adapter was trained"
+    RESULTS[case.category] += 1
+
+
+BEFORE_TRAINING = [c for c in CASES if c.before_training]
+
+
+@pytest.mark.parametrize("case", BEFORE_TRAINING, ids=[c.name for c in BEFORE_TRAINING])
+def test_the_preflight_alone_refuses_it(case, tmp_path):
+    """What the preflight's own checks find, `python -m stages.preflight` refuses on its own, by the same rules."""
+    TRIED["preflight alone"] += 1
+    ws = Workspace(tmp_path)
+    case.setup(ws)
+    if ws.sections is not None:
+        ws.write()
+    args = list(case.args)
+    if "--run-id" in args:  # the preflight of that run: its directory holds what the case broke
+        run_id = args.pop(args.index("--run-id") + 1)
+        args[args.index("--run-id")] = "--out"
+        args.insert(args.index("--out") + 1, str(tmp_path / "artifacts" / "runs" / run_id / "preflight"))
+    code, out, err = _in_new_process(case, ws, ["stages.preflight", "--config", str(ws.config), *args], case.env(ws) if case.env else {})
+    _judge(case, code, out, err, "preflight")
+    assert not list((tmp_path / "artifacts").glob("runs/*/train/adapter")), "an adapter was trained"
+    RESULTS["preflight alone"] += 1
+
+
+def _judge(case: Case, code: int, out: str, err: str, prog: str) -> None:
+    """Rules 1-4: exit 2, one `stopped:` line, no traceback, the input named, a fix said."""
+    stopped = [line for line in err.splitlines() if line.startswith(f"{prog} stopped: ")]
+    assert code == 2, (code, (out + err)[-3000:])
     assert len(stopped) == 1 and "Traceback" not in out + err, (out + err)[-3000:]
     message = err[err.index(stopped[0]):]
     assert case.names.lower() in message.lower(), f"the message does not name {case.names!r}: {message}"
     assert any(w in message.lower() for w in FIX_WORDS), f"the message says no fix: {message}"
-    assert tree_hash(tmp_path / "handoff") == handoff, "the hand-off directory changed"
-    assert not list((tmp_path / "artifacts").glob("runs/*/train/adapter")), "an adapter was trained"
-    RESULTS[case.category] += 1
+
+
+def _in_new_process(case: Case, ws: Workspace, argv: list[str], env: dict) -> tuple[int, str, str]:
+    """`python -m <argv>` as a user runs it, with `env`, and with the case's filesystems mounted for that process
+    alone (a user and mount namespace: no privileges needed, nothing visible outside)."""
+    cmd = [sys.executable, "-m", *argv]
+    if case.mounts:
+        if not shutil.which("unshare") or subprocess.run(["unshare", "-rm", "true"], capture_output=True).returncode != 0:
+            pytest.skip("needs unshare -rm (user and mount namespaces) to mount a filesystem for one process")
+        script = " && ".join([*case.mounts(ws), 'exec "$@"'])
+        cmd = ["unshare", "-rm", "sh", "-c", script, "sh", *cmd]
+    p = subprocess.run(cmd, cwd=ws.tmp, env=_isolated_env(ws.tmp) | env, capture_output=True, text=True, timeout=600)
+    return p.returncode, p.stdout, p.stderr
 
 
 ACCEPTED = {
@@ -330,7 +499,8 @@ def test_full_disk_during_export_leaves_nothing_partial(tmp_path, capfd, prefect
     code = main(["--config", str(ws.config), "--run-id", "full"])
     out, err = capfd.readouterr()
     assert code == 2 and "Traceback" not in out + err, err[-3000:]
-    assert re.search(r"stopped: DiskFull: no space left on the device of .* while writing .*model-Q4_K_M\.gguf\.partial .*free", err), err[-2000:]
+    assert re.search(r"stopped: DiskFull: no space left on the filesystem mounted at /\S* \(\d+\.\d+ [GM]iB free of .*\) "
+                     r"while writing .*model-Q4_K_M\.gguf\.partial; free", err), err[-2000:]
     assert not list((tmp_path / "artifacts").rglob("*.partial"))
     assert tree_hash(tmp_path / "handoff") == handoff
     # the disk freed, the same run id resumes: training is not redone, and it publishes
