@@ -42,7 +42,7 @@ from prefect.runtime import flow_run  # noqa: E402
 
 from flows import reaper  # noqa: E402
 from flows.gpu_slot import gpu_slot  # noqa: E402
-from stages import data, errors, export, handoff, llamacpp, memory, merge, preflight, smoke, tracking, train  # noqa: E402
+from stages import champion, data, errors, export, handoff, llamacpp, memory, merge, preflight, smoke, tracking, train  # noqa: E402
 from stages.config import load_config  # noqa: E402
 from stages.memory import MemoryReport  # noqa: E402
 from stages.paths import RunPaths, new_run_id  # noqa: E402
@@ -195,13 +195,20 @@ def train_and_export(config: str = "configs/default.yaml", overrides: list[str] 
                              "n_gpu_layers": f.plan.n_gpu_layers} for f in sm.files},
             memory=reports, fidelity=drift, merge={"base": mg.base, "kl": mg.kl},
             extra={"prefect_flow_run_id": str(flow_run.id) if flow_run.id else None,
-                   "train": {"steps": tr.steps, "first_loss": tr.first_loss, "final_loss": tr.final_loss, "fit": tr.fit}},
+                   "train": {"steps": tr.steps, "first_loss": tr.first_loss, "final_loss": tr.final_loss, "fit": tr.fit,
+                             "best_eval_loss": tr.best_eval_loss}},
         )
         reports["handoff"] = ho.memory
+        create_markdown_artifact(ho.comparison, key="champion-challenger",
+                                 description=f"{paths.run_id} against the bundle `latest` pointed at")
         summary = summarize(paths, reports, ho, tr, sm)
         (paths.root / "summary.md").write_text(summary + "\n")  # kept with the run: the temporary API's artifact is gone after it
         create_markdown_artifact(summary, key="run-summary", description=f"train-and-export run {paths.run_id}")
         print(summary)
+        if not ho.promoted:  # a failed flow run is what the deployment's automation alerts on
+            raise champion.Regression(f"this run is worse than the bundle `latest` points at: {ho.comparison.splitlines()[0]} "
+                                      f"Candidate: {ho.bundle_dir}; to serve it anyway, point latest at it "
+                                      f"(ln -sfn {ho.bundle_dir.name} {ho.bundle_dir.parent}/latest) or set handoff.promotion.compare: false")
         return {"run_id": paths.run_id, "run_dir": str(paths.root), "bundle": str(ho.bundle_dir),
                 "final_loss": tr.final_loss, "smoke": {f.quant: f.accuracy for f in sm.files}}
 
@@ -215,7 +222,8 @@ def summarize(paths: RunPaths, reports: dict, ho, tr, sm) -> str:
         "",
         f"Each stage's files (memory.json among them): `{paths.root}/<stage>/`.",
         f"Loss {tr.first_loss:.3f} -> {tr.final_loss:.3f} over {tr.steps} steps. Smoke: {accuracy}.",
-        f"Bundle: `{ho.bundle_dir}` (verify: `cd {ho.bundle_dir} && sha256sum -c SHA256SUMS`)",
+        f"Bundle: `{ho.bundle_dir}` (verify: `cd {ho.bundle_dir} && sha256sum -c SHA256SUMS`)"
+        + ("" if ho.promoted else " - a candidate: `latest` was not switched (comparison.md)"),
     ])
 
 

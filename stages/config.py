@@ -369,9 +369,21 @@ class SmokeSection(Section):
     min_accuracy: float = Field(0.8, ge=0, le=1, description="Fraction of prompts that must pass, per GGUF.")
 
 
+class PromotionSection(Section):
+    """When a retrain becomes `latest`: no worse than the bundle `latest` points at (stages/champion.py)."""
+
+    compare: bool = Field(True, description="Compare each new bundle with the one `latest` points at before switching `latest`. "
+                          "false: every bundle that passes the gates becomes `latest`.")
+    smoke_accuracy_drop: float = Field(0.02, ge=0, le=1, description="How much lower (absolute) a GGUF's smoke accuracy may be.")
+    eval_loss_rise: float = Field(0.02, ge=0, description="How much higher (relative) the eval loss may be, on the same held-out data.")
+    kl_rise: float = Field(0.25, ge=0, description="How much higher (relative) a GGUF's mean KL to its merged model may be ...")
+    kl_floor: float = Field(0.001, ge=0, description="... plus this much (absolute): KLs near zero differ by noise.")
+
+
 class HandoffSection(Section):
     dir: Path = Field(Path("artifacts/handoff"), description="Bundles go to <dir>/<model_name>/<version>/.")
     model_name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", description="Name the serving team knows the model by.")
+    promotion: PromotionSection = PromotionSection()
 
 
 class RunConfig(Section):

@@ -10,7 +10,9 @@
         Modelfile         Ollama: FROM the first GGUF, TEMPLATE (with the default system
                           turn, if the chat template has one), stop tokens
         README.md         the model card
-    artifacts/handoff/<model_name>/latest -> <version>
+        comparison.md     the champion/challenger table against the bundle `latest` pointed at (.json too)
+    artifacts/handoff/<model_name>/latest -> <version>, when the bundle is no worse than what it pointed at
+                                             (stages/champion.py); a worse one stays a candidate
 
 Publishing is atomic: the bundle is built in a hidden temporary directory next to its
 final place and renamed into place, then `latest` is switched with a rename. A failure at
@@ -32,7 +34,7 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
-from stages import errors, modelcard, quant_types
+from stages import champion, errors, modelcard, quant_types
 from stages.config import RunConfig
 from stages.errors import DiskFull, RunError
 from stages.memory import MemoryReport, track
@@ -48,6 +50,8 @@ class HandoffResult:
     version: str
     files: list[str]
     memory: MemoryReport | None
+    promoted: bool = True        # `latest` points at this bundle (champion.compare found it no worse)
+    comparison: str = ""         # the champion/challenger table (Markdown), also comparison.md in the bundle
 
 
 def run(
@@ -98,12 +102,18 @@ def run(
             sums = {n: sha256_file(tmp / n) for n in names}
             serving = _serving(cfg, gguf_files[0][1])
             manifest = _manifest(cfg, version, gguf_files, sums, adapter_dir, data_fingerprint, smoke, memory,
-                                 {"fidelity": fidelity or [], "merge": merge or {}, "stop_tokens": serving["stops"]} | (extra or {}))
+                                 {"fidelity": fidelity or [], "merge": merge or {}, "stop_tokens": serving["stops"],
+                                  "held_out_fingerprint": champion.held_out_fingerprint(cfg)} | (extra or {}))
+            verdict = (champion.compare(cfg, json.loads(json.dumps(manifest, default=str)), champion.champion_of(root))
+                       if cfg.handoff.promotion.compare else champion.Verdict(None, True))
+            manifest["promotion"] = {"promoted": verdict.promote, "champion": verdict.champion, "worse": verdict.reason}
+            (tmp / "comparison.md").write_text(verdict.markdown())
+            (tmp / "comparison.json").write_text(json.dumps(verdict.to_json(), indent=2))
             (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2, default=str))
             text, template = modelcard.modelfile(names[0], names[1:], n_ctx=cfg.smoke.n_ctx, **serving)
             (tmp / "Modelfile").write_text(text)
             (tmp / "README.md").write_text(modelcard.readme(json.loads((tmp / "manifest.json").read_text()), template))
-            listed = [*names, "manifest.json", "Modelfile", "README.md"]
+            listed = [*names, "manifest.json", "Modelfile", "README.md", "comparison.md", "comparison.json"]
             (tmp / "SHA256SUMS").write_text("".join(f"{sums.get(n) or sha256_file(tmp / n)}  {n}\n" for n in listed))
             _fsync_dir(tmp)
             tmp.chmod(0o755)  # mkdtemp makes it private; the serving team must read it
@@ -117,8 +127,9 @@ def run(
                                f"the filesystem mounted at {fs.mount} has {fs.describe()}); nothing was published and `latest` "
                                "is unchanged; free space there and run again, or point handoff.dir at a larger disk") from e
             raise
-        _point_latest(root, version)
-    return HandoffResult(final, final / "manifest.json", version, names, meter.report)
+        if verdict.promote:
+            _point_latest(root, version)
+    return HandoffResult(final, final / "manifest.json", version, names, meter.report, verdict.promote, verdict.markdown())
 
 
 def sha256_file(path: Path, chunk: int = 1 << 20) -> str:

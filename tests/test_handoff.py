@@ -80,7 +80,7 @@ def test_bundle_has_a_modelfile_and_model_card_checked_by_sha256sums(tmp_path):
     assert "model-Q5_K_S.gguf" in card and "sha256sum -c SHA256SUMS" in card
     assert "checked against the Jinja rendering." in card and "default system turn" not in card  # this template has none
     listed = {line.split()[1] for line in (b.bundle_dir / "SHA256SUMS").read_text().splitlines()}
-    assert listed == {"model-Q4_K_M.gguf", "model-Q5_K_S.gguf", "manifest.json", "Modelfile", "README.md"}
+    assert listed == {"model-Q4_K_M.gguf", "model-Q5_K_S.gguf", "manifest.json", "Modelfile", "README.md", "comparison.md", "comparison.json"}
     subprocess.run(["sha256sum", "-c", "SHA256SUMS"], cwd=b.bundle_dir, check=True, capture_output=True)
 
 
@@ -106,3 +106,64 @@ def test_disk_full_mid_write_publishes_nothing(tmp_path, monkeypatch):
     root = a.bundle_dir.parent
     assert sorted(p.name for p in root.iterdir()) == ["latest", "v1"]
     assert (root / "latest").resolve() == a.bundle_dir.resolve()
+
+
+def _judged(cfg, version, tmp_path, accuracy, kl, eval_loss):
+    """Publish a bundle judged by these figures (what the flow passes: smoke, fidelity, the adapter's eval loss)."""
+    f = gguf(tmp_path, f"model-Q4_K_M-{version}.gguf", version.encode())
+    return handoff.run(cfg, version, [("Q4_K_M", f)], tmp_path / "stage" / version, adapter_dir=tmp_path, data_fingerprint="f" * 64,
+                       smoke={"Q4_K_M": {"accuracy": accuracy}}, memory={},
+                       fidelity=[{"quant": "Q4_K_M", "mean_kl": kl, "top1_agreement": 0.95}],
+                       extra={"train": {"best_eval_loss": eval_loss}})
+
+
+@pytest.mark.parametrize("worse, figure", [((0.90, 0.010, 1.00), "smoke accuracy Q4_K_M"), ((1.00, 0.020, 1.00), "mean KL Q4_K_M"),
+                                            ((1.00, 0.010, 1.05), "eval loss")])
+def test_a_worse_retrain_is_a_candidate_and_latest_stays(tmp_path, worse, figure):
+    """Champion/challenger: on the same held-out data, a retrain worse on any figure beyond handoff.promotion's tolerance
+    is published, with its comparison, but `latest` keeps pointing at the champion; one no worse becomes latest."""
+    cfg = load_config(write_config(tmp_path))
+    first = _judged(cfg, "v1", tmp_path, 1.0, 0.010, 1.00)
+    assert first.promoted and "No bundle was published under this model name before" in first.comparison
+    root = first.bundle_dir.parent
+    bad = _judged(cfg, "v2", tmp_path, *worse)
+    assert not bad.promoted and (root / "latest").resolve().name == "v1"
+    assert f"**worse** ({figure})" in bad.comparison and (bad.bundle_dir / "comparison.md").read_text() == bad.comparison
+    subprocess.run(["sha256sum", "-c", "SHA256SUMS"], cwd=bad.bundle_dir, check=True, capture_output=True)  # the comparison is checksummed
+    import json
+
+    assert json.loads((bad.bundle_dir / "manifest.json").read_text())["promotion"] == {"promoted": False, "champion": "v1", "worse": figure}
+    good = _judged(cfg, "v3", tmp_path, 0.99, 0.012, 1.01)  # within every tolerance
+    assert good.promoted and (root / "latest").resolve().name == "v3" and "promoted to `latest`" in good.comparison
+
+
+def test_without_comparing_every_bundle_becomes_latest(tmp_path):
+    cfg = load_config(write_config(tmp_path, handoff={"model_name": "tiny-llama-translate", "promotion": {"compare": False}}))
+    _judged(cfg, "v1", tmp_path, 1.0, 0.01, 1.0)
+    assert _judged(cfg, "v2", tmp_path, 0.0, 0.5, 9.0).promoted
+
+
+@pytest.mark.slow
+def test_a_worse_retrain_fails_the_flow_run_and_leaves_latest(tmp_path, capfd, prefect_harness):
+    """Through the flow: a champion judged 100% on the same held-out prompts, a 10-step retrain that answers fewer:
+    the run publishes a candidate, `latest` stays, and the flow ends with one line naming the regression (exit 2,
+    a failed flow run for the deployment's automation)."""
+    import json
+
+    from flows.train_and_export import main
+    from stages import champion
+
+    cfg_path = write_config(tmp_path, training={"max_steps": 10, "save_steps": 10}, smoke={"min_accuracy": 0.0, "max_prompts": 10})
+    cfg = load_config(cfg_path)
+    root = tmp_path / "handoff" / cfg.handoff.model_name
+    (root / "v0").mkdir(parents=True)
+    (root / "v0" / "manifest.json").write_text(json.dumps({
+        "held_out_fingerprint": champion.held_out_fingerprint(cfg), "smoke": {"Q4_K_M": {"accuracy": 1.0}, "Q5_K_S": {"accuracy": 1.0}},
+        "fidelity": [], "train": {"best_eval_loss": None}, "files": []}))
+    (root / "latest").symlink_to("v0")
+    code = main(["--config", str(cfg_path), "--run-id", "worse"])
+    err = capfd.readouterr().err
+    stopped = [line for line in err.splitlines() if "stopped:" in line]
+    assert code == 2 and len(stopped) == 1 and "Regression: this run is worse than the bundle `latest` points at" in stopped[0], err[-2000:]
+    assert "smoke accuracy Q4_K_M" in stopped[0] and "ln -sfn worse" in stopped[0]
+    assert (root / "latest").resolve().name == "v0" and (root / "worse" / "comparison.md").is_file()
