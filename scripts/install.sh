@@ -75,5 +75,11 @@ log "5/5 train-and-export and its pinned dependencies"
 EXTRAS=dev
 if [ "$ACCEL" = cuda ]; then EXTRAS=dev,gpu; fi  # liger-kernel (Triton) only where there is a GPU
 "${PIP[@]}" -q -e "$REPO[$EXTRAS]"
-"$PY" -c "import llama_cpp, gguf, torch, transformers, peft, prefect; print('installed: torch', torch.__version__, '| transformers', transformers.__version__, '| peft', peft.__version__, '| llama_cpp', llama_cpp.__version__, '| prefect', prefect.__version__)"
+# A CUDA build of llama.cpp loads libcuda.so.1 on import: where no driver is (a `docker build`, a CPU build host)
+# it is checked at container start instead (scripts/entrypoint.sh), not here.
+if [ "$ACCEL" = cuda ] && ! "$PY" -c "import ctypes; ctypes.CDLL('libcuda.so.1')" 2>/dev/null; then
+  "$PY" -c "import gguf, torch, transformers, peft, prefect, openai; from importlib.metadata import version; print('installed: torch', torch.__version__, '| transformers', transformers.__version__, '| peft', peft.__version__, '| llama_cpp', version('llama_cpp_python'), '(not imported: no CUDA driver here) | prefect', prefect.__version__)"
+else
+  "$PY" -c "import llama_cpp, gguf, torch, transformers, peft, prefect, openai; print('installed: torch', torch.__version__, '| transformers', transformers.__version__, '| peft', peft.__version__, '| llama_cpp', llama_cpp.__version__, '| prefect', prefect.__version__)"
+fi
 echo "converter: $CONVERTER"
