@@ -26,10 +26,12 @@ from prefect.runtime import flow_run
 
 from flows import reaper
 from flows.gpu_slot import gpu_slot
-from stages import data, errors, export, handoff, llamacpp, memory, merge, preflight, smoke, tracking, train
+from stages import data, errors, export, handoff, memory, preflight, train
 from stages.config import load_config
+from stages.export import llamacpp, merge, smoke
 from stages.memory import MemoryReport
 from stages.paths import RunPaths, new_run_id
+from stages.train import tracking
 
 # A native crash (llama.cpp, a CUDA library) kills the flow process without a Python traceback:
 # this at least prints the Python stack it died in to the run's output.

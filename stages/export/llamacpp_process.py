@@ -28,9 +28,9 @@ import traceback
 from pathlib import Path
 
 from stages import memory
-from stages.llamacpp import VERBOSE
+from stages.export.llamacpp import VERBOSE
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the directory that holds the `stages` package
 
 
 class LlamaCrashed(RuntimeError):
@@ -44,7 +44,7 @@ class LlamaProcess:
         env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
         try:  # -P: a `stages` package in the caller's working directory must not shadow this one
             self.proc = subprocess.Popen(
-                [sys.executable, "-P", "-X", "faulthandler", "-m", "stages.llamacpp_process", str(write_fd)],
+                [sys.executable, "-P", "-X", "faulthandler", "-m", "stages.export.llamacpp_process", str(write_fd)],
                 stdin=subprocess.PIPE, pass_fds=(write_fd,), env=env,
             )
         except BaseException:
