@@ -12,9 +12,14 @@ ARG TAE_ACCEL=cuda
 ARG CUDA_ARCHS="80;86;89;90"
 # PIP_FIND_LINKS: a folder of wheels in the build context (e.g. the CPU torch wheel where no index serves it)
 ARG PIP_FIND_LINKS=""
+# TAE_CACHE_DIR: install.sh's cache (the llama-cpp-python sdist, its built wheel, the converter); one in the build
+# context is used instead of downloading and building again
+ARG TAE_CACHE_DIR=/root/.cache/train-and-export
+# PIP_CERT: a CA bundle in the build context, where a TLS-inspecting proxy stands between the build and PyPI
+ARG PIP_CERT
 
 ENV DEBIAN_FRONTEND=noninteractive PIP_NO_CACHE_DIR=1 PYTHONUNBUFFERED=1 \
-    TAE_ACCEL=${TAE_ACCEL} CUDA_ARCHS=${CUDA_ARCHS} PIP_FIND_LINKS=${PIP_FIND_LINKS} \
+    TAE_ACCEL=${TAE_ACCEL} CUDA_ARCHS=${CUDA_ARCHS} PIP_FIND_LINKS=${PIP_FIND_LINKS} TAE_CACHE_DIR=${TAE_CACHE_DIR} \
     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
     VIRTUAL_ENV=/opt/venv PATH=/opt/venv/bin:$PATH
 RUN apt-get update && apt-get install -y --no-install-recommends \

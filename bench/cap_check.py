@@ -50,7 +50,9 @@ def main() -> None:
     from memory_grid import run_config
     from preflight_grid import make_checkpoint
 
-    from stages import kernels, lora_model, memory, memory_model, preflight
+    from stages import memory, memory_model, preflight
+    from stages.train import kernels
+    from stages.train import model as lora_model
 
     out = []
     if a.at_estimate:

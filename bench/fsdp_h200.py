@@ -44,8 +44,9 @@ def run_row(row: str, model_dir: Path) -> dict:
     import torch
 
     from bench.packing_r7 import samples, stage
-    from stages import memory_model, sharding
+    from stages import memory_model
     from stages.memory import GIB
+    from stages.train import sharding
 
     if torch.distributed.is_available() and "LOCAL_RANK" in os.environ:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))

@@ -4,9 +4,9 @@
     python3 bench/leak_check.py --out $OUT/leak_check.json --cases --probe-then-train qwen2.5-1.5b:qlora mistral-7b:qlora
 
 For each shape (tied and untied embeddings) and each of LoRA / QLoRA, with every `auto`
-training default on: three times build the stage's model (stages.lora_model.build_model), train
-two optimizer steps through stages.hf_trainer.make_trainer, free it the way the stages do
-(stages.hf_trainer.release + memory.free_gpu), and record what torch still has allocated.
+training default on: three times build the stage's model (stages.train.model.build_model), train
+two optimizer steps through stages.train.hf_trainer.make_trainer, free it the way the stages do
+(stages.train.hf_trainer.release + memory.free_gpu), and record what torch still has allocated.
 Pass: allocated after each free within 16 MiB of the figure before the first build.
 
 --diagnose records every allocation of the first cycle (torch.cuda.memory._record_memory_history)
@@ -37,8 +37,10 @@ sys.path.insert(0, str(REPO / "bench"))
 
 from preflight_grid import make_checkpoint  # noqa: E402
 
-from stages import batches, hf_trainer, lora_model, memory, train  # noqa: E402
+from stages import memory, train  # noqa: E402
 from stages.config import RunConfig  # noqa: E402
+from stages.train import batches, hf_trainer  # noqa: E402
+from stages.train import model as lora_model  # noqa: E402
 
 MIB = 2**20
 CUDA = torch.cuda.is_available()

@@ -7,7 +7,7 @@ fused linear cross-entropy, 8-bit paged AdamW, the tiled MLP from 32k tokens per
 A group is one model build (shape, LoRA or QLoRA, rank, targets), run in its own process;
 each of its rows is a micro-batch shape on that model:
   probe      stages.preflight.probe on the built model: two optimizer steps on the worst padded batch
-  measured   stages.hf_trainer.make_trainer: `steps` optimizer steps on rows of random length in
+  measured   stages.train.hf_trainer.make_trainer: `steps` optimizer steps on rows of random length in
              [seq/2, seq], the one of exactly seq in the second-to-last step; peak reserved
 plus what the estimate needs to be checked by mechanism: allocated after the build, the
 optimizer's paged (managed, outside torch's counters) and unpaged state bytes.
@@ -86,8 +86,9 @@ def optimizer_state_bytes(opt) -> dict:
 def measure(cfg, model, seq: int, vocab: int, steps: int) -> dict:
     import torch
 
-    from stages import batches, hf_trainer, memory
+    from stages import memory
     from stages.memory import GIB
+    from stages.train import batches, hf_trainer
 
     b = cfg.training.per_device_train_batch_size
     rng = random.Random(0)
@@ -121,8 +122,10 @@ def run_group(index: int, out: Path, deadline: float) -> None:
     import torch
     from preflight_grid import make_checkpoint
 
-    from stages import kernels, lora_model, memory, memory_model, preflight
+    from stages import memory, memory_model, preflight
     from stages.memory import GIB
+    from stages.train import kernels
+    from stages.train import model as lora_model
 
     shape, quant, r, targets, shapes_rows = GROUPS[index]
     model_dir = make_checkpoint(shape, Path("/tmp/bench-models"))

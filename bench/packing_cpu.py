@@ -94,7 +94,8 @@ def peft_baseline(rows: list[dict]) -> dict:
 
 
 def stage(rows: list[dict], **training) -> dict:
-    from stages import batches, hf_trainer, kernels, lora_model
+    from stages.train import batches, hf_trainer, kernels
+    from stages.train import model as lora_model
 
     cfg = config(**training)
     packed = kernels.packing(cfg)

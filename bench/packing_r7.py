@@ -154,7 +154,8 @@ def stage(cfg, rows: list[dict]) -> dict:
     import torch
     from transformers import TrainerCallback
 
-    from stages import batches, hf_trainer, kernels, lora_model
+    from stages.train import batches, hf_trainer, kernels
+    from stages.train import model as lora_model
 
     packed = kernels.packing(cfg)
     longest = max(len(r["input_ids"]) for r in rows)
@@ -201,7 +202,8 @@ def profile(model_dir: Path, qlora: bool) -> dict:
     from torch.profiler import profile as torch_profile
     from transformers import TrainerCallback
 
-    from stages import batches, hf_trainer, lora_model
+    from stages.train import batches, hf_trainer
+    from stages.train import model as lora_model
 
     cfg = stage_config(model_dir, qlora, packing="off", per_device_train_batch_size=2, max_steps=6)
     gen = torch.Generator().manual_seed(0)

@@ -8,7 +8,7 @@ pipeline's own loaders work. Then, for every config of the grid, through the pip
 own code paths:
   estimate   stages.memory_model.estimate (re-computed offline by preflight_grid_report.py)
   probe      stages.preflight.probe: two optimizer steps on the worst padded micro-batch
-  measured   stages.hf_trainer.make_trainer: 20 steps on rows of random length in [seq/2, seq],
+  measured   stages.train.hf_trainer.make_trainer: 20 steps on rows of random length in [seq/2, seq],
              one of them exactly seq, padded dynamically as in training; peak reserved.
 Rows go to --out as they finish, so a run stopped by its time limit keeps what it measured.
 """
@@ -29,9 +29,11 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from stages import batches, hf_trainer, lora_model, memory_model, preflight  # noqa: E402
+from stages import memory_model, preflight  # noqa: E402
 from stages.config import RunConfig  # noqa: E402
 from stages.memory import GIB  # noqa: E402
+from stages.train import batches, hf_trainer  # noqa: E402
+from stages.train import model as lora_model  # noqa: E402
 
 SHAPES = {
     # ../shared/anchors: R7

@@ -4,7 +4,7 @@
 
 R7's shapes (random bf16 weights, Llama architecture as in bench/export_r7.py) converted to
 f16 GGUF with the official converter, then, in the same run on the same file:
-  sequential  Q4_K_M then Q5_K_S, all cores each (what stages/export.py does)
+  sequential  Q4_K_M then Q5_K_S, all cores each (what stages/export/stage.py does)
   concurrent  both at once, half the cores each
 llama_model_quantize is CPU work in any build of llama.cpp, so the CPU wheel suffices.
 """
@@ -24,8 +24,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.export_r7 import make_model  # noqa: E402
-from stages import llamacpp  # noqa: E402
 from stages.config import QUANT_FTYPES  # noqa: E402
+from stages.export import llamacpp  # noqa: E402
 
 QUANTS = ("Q4_K_M", "Q5_K_S")
 

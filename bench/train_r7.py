@@ -8,7 +8,7 @@ q/v/o, non-reentrant checkpointing, random tokens. Rows:
   baseline   the anchors' hand-written loop (torch AdamW, bf16 autocast): plain peft, then
              peft + Liger Kernel patched on the class (the off-the-shelf floor), run last
              because Liger's class patch would leak into everything built after it.
-  stage      stages.lora_model.build_model + stages.hf_trainer.make_trainer (the HF Trainer exactly as
+  stage      stages.train.model.build_model + stages.train.hf_trainer.make_trainer (the HF Trainer exactly as
              the train stage runs it) on fixed-length rows, with the stage's defaults
              (fit: memory) or fit: speed under a 24 GiB budget; ablations toggle one hardened
              default at a time on the same model.
@@ -34,9 +34,11 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.preflight_grid import make_checkpoint  # noqa: E402
-from stages import batches, hf_trainer, kernels, lora_model, train  # noqa: E402
+from stages import train  # noqa: E402
 from stages.config import RunConfig  # noqa: E402
 from stages.memory import GIB  # noqa: E402
+from stages.train import batches, hf_trainer, kernels  # noqa: E402
+from stages.train import model as lora_model  # noqa: E402
 
 QVO = ["q_proj", "v_proj", "o_proj"]
 VOCAB = 152064

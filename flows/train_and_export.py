@@ -42,10 +42,12 @@ from prefect.runtime import flow_run  # noqa: E402
 
 from flows import reaper  # noqa: E402
 from flows.gpu_slot import gpu_slot  # noqa: E402
-from stages import champion, data, errors, export, handoff, llamacpp, memory, merge, preflight, smoke, tracking, train  # noqa: E402
+from stages import champion, data, errors, export, handoff, memory, preflight, train  # noqa: E402
 from stages.config import load_config  # noqa: E402
+from stages.export import llamacpp, merge, smoke  # noqa: E402
 from stages.memory import MemoryReport  # noqa: E402
 from stages.paths import RunPaths, new_run_id  # noqa: E402
+from stages.train import tracking  # noqa: E402
 
 # A native crash (llama.cpp, a CUDA library) kills the flow process without a Python traceback:
 # this at least prints the Python stack it died in to the run's output.
@@ -192,7 +194,8 @@ def train_and_export(config: str = "configs/default.yaml", overrides: list[str] 
             cfg, paths.run_id, quants, paths.stage("handoff"),
             adapter_dir=tr.adapter_dir, data_fingerprint=fingerprint,
             smoke={f.quant: {"accuracy": f.accuracy, "passed": f.passed, "n_prompts": f.n_prompts, "gen_tokens_per_s": f.gen_tokens_per_s,
-                             "n_gpu_layers": f.plan.n_gpu_layers} for f in sm.files},
+                             "n_gpu_layers": f.plan.n_gpu_layers,
+                             "served": {k: v for k, v in (f.served or {}).items() if k != "examples"} or None} for f in sm.files},
             memory=reports, fidelity=drift, merge={"base": mg.base, "kl": mg.kl},
             extra={"prefect_flow_run_id": str(flow_run.id) if flow_run.id else None,
                    "train": {"steps": tr.steps, "first_loss": tr.first_loss, "final_loss": tr.final_loss, "fit": tr.fit,

@@ -146,6 +146,13 @@ def describe(model) -> Architecture:
                         total, layers, qk_norm, tied, out_name.rsplit(".", 1)[-1] if out_name else None, params)
 
 
+def decoder_layers(model) -> list:
+    """The repeated blocks transformers can checkpoint, in order (the layers training checkpoints and FSDP wraps)."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+
+
 def resolve_targets(requested: list[str] | str, arch: Architecture) -> Targets:
     """`lora.target_modules` against the model's linear modules.
 
@@ -153,7 +160,7 @@ def resolve_targets(requested: list[str] | str, arch: Architecture) -> Targets:
     map to the fused module (qkv_proj, gate_up_proj, c_attn, query_key_value, ...), one note each;
     anything else is a ConfigError naming the model's own linear modules.
     """
-    from stages.config import ConfigError
+    from stages.errors import ConfigError
 
     have = list(arch.linears)
     if requested == "all-linear":

@@ -29,7 +29,10 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from stages import errors, gguf_convert, llamacpp, llamacpp_process, tracking
+from stages import errors
+from stages.export import llamacpp, llamacpp_process
+from stages.export import convert as gguf_convert
+from stages.train import tracking
 from stages.config import RunConfig
 from stages.errors import DiskFull, MissingPackage, UserError
 

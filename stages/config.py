@@ -22,7 +22,8 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
-from stages.errors import UserError
+# ConfigError lives in stages.errors, so that modelio raises it without importing the config; it is still stages.config.ConfigError.
+from stages.errors import ConfigError, UserError
 
 QUANT_FTYPES = {"Q4_K_M": 15, "Q5_K_S": 16, "Q5_K_M": 17, "Q6_K": 18, "Q8_0": 7, "Q4_K_S": 14}
 
@@ -34,10 +35,6 @@ ALIASES = {
     "steps": "max_steps", "grad_accum": "gradient_accumulation_steps", "qlora": "load_in_4bit",
     "model_path": "name_or_path", "path": "name_or_path", "dtype": "torch_dtype",
 }
-
-
-class ConfigError(UserError, ValueError):
-    """A config that cannot run; the message lists every problem and its fix."""
 
 
 def _yaml_switch(value: Any) -> Any:
@@ -367,6 +364,9 @@ class SmokeSection(Section):
         "stops: non-empty and ends with EOS within max_tokens (real models)."
     )
     min_accuracy: float = Field(0.8, ge=0, le=1, description="Fraction of prompts that must pass, per GGUF.")
+    serve: bool = Field(True, description="Also ask the held-out prompts through llama.cpp's OpenAI-compatible server (llama_cpp.server "
+                        "on loopback, the official openai client's chat completions: the GGUF's own template, stops at its end-of-turn "
+                        "token), as the serving team calls it; latency and tokens/s go to smoke_result.json and the model card.")
 
 
 class PromotionSection(Section):

@@ -478,6 +478,8 @@ def _encode_all(samples: list[Sample], tokenizer) -> Tokenized:
         except DataError:
             raise
         except Exception as e:  # a template that raises, a tokenizer that chokes on a character
+            from stages.modelcheck import template_at_fault, template_problem
+
             if template_at_fault(e):
                 raise DataError(template_problem(tokenizer, e)) from e
             raise DataError(f"{s.id}: the tokenizer or chat template failed on this sample: {type(e).__name__}: {e}") from e
@@ -485,24 +487,6 @@ def _encode_all(samples: list[Sample], tokenizer) -> Tokenized:
         out.labels.append(labels)
         out.ids.append(s.id)
     return out
-
-
-def template_at_fault(e: BaseException) -> bool:
-    """A chat template that does not parse, or that reaches for Python internals (jinja2's sandbox refuses it):
-    whatever the sample, the template is what to fix."""
-    from jinja2.exceptions import SecurityError, TemplateSyntaxError
-
-    return isinstance(e, (SecurityError, TemplateSyntaxError))
-
-
-def template_problem(tokenizer, e: BaseException) -> str:
-    from stages.modelcheck import chat_template_file
-
-    where = chat_template_file(Path(getattr(tokenizer, "name_or_path", "") or "."))
-    why = ("reaches for Python internals, which transformers' sandbox refuses and no chat template needs"
-           if type(e).__name__ == "SecurityError" else "is not valid Jinja")
-    return (f"the chat template in {where} {why} ({type(e).__name__}: {str(e)[:200]}); the model's files are at fault, not the data: "
-            "restore the chat template that came with the model, or replace it with a plain one (its messages loop only)")
 
 
 def _apply_policy(tok: Tokenized, max_length: int, policy: str) -> Tokenized:

@@ -25,6 +25,10 @@ class UserError(Exception):
     """A problem in the user's inputs or environment; the message says what and how to fix it."""
 
 
+class ConfigError(UserError, ValueError):
+    """A config that cannot run; the message lists every problem and its fix."""
+
+
 class ModelError(UserError, ValueError):
     """The base model directory cannot be used as it is."""
 

@@ -34,9 +34,10 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
-from stages import champion, errors, modelcard, quant_types
+from stages import champion, errors
 from stages.config import RunConfig
 from stages.errors import DiskFull, RunError
+from stages.export import modelcard, quant_types
 from stages.memory import MemoryReport, track
 from stages.modelio import resolve_model_dir
 
@@ -170,7 +171,7 @@ def _manifest(cfg, version, gguf_files, sums, adapter_dir, data_fingerprint, smo
 
 def _fallbacks(quant: str, gguf: Path) -> dict:
     """Tensors llama.cpp gave its fallback type because their rows are not a multiple of 256 (export checked each)."""
-    from stages import llamacpp
+    from stages.export import llamacpp
 
     if quant not in quant_types.DEFAULT_TYPE:
         return {}
@@ -180,7 +181,7 @@ def _fallbacks(quant: str, gguf: Path) -> dict:
 
 def _serving(cfg: RunConfig, gguf: Path) -> dict:
     """Chat template, BOS/EOS and stop strings, as the GGUF holds them (export checked they equal the HF tokenizer's)."""
-    from stages import llamacpp
+    from stages.export import llamacpp
     from stages.modelio import load_tokenizer
 
     tok = load_tokenizer(cfg.model)
@@ -197,7 +198,7 @@ def _serving(cfg: RunConfig, gguf: Path) -> dict:
 
 
 def _llama_adds_bos(gguf: Path) -> bool:
-    from stages.llamacpp_process import LlamaProcess
+    from stages.export.llamacpp_process import LlamaProcess
 
     with LlamaProcess(gguf.name) as vocab:
         vocab.call("load", str(gguf), vocab_only=True)

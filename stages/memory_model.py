@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 from stages import architecture
 from stages.architecture import Architecture, Linear, Targets
 from stages.config import RunConfig
-from stages.kernels import resolve_auto
 from stages.memory import GIB
 from stages.modelio import compute_dtype
+from stages.train.kernels import resolve_auto
 
 KNOWN_MODEL_TYPES = {"llama", "qwen2", "mistral", "qwen3", "phi3", "olmo2"}  # measured (bench/results/capped/)
 ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

@@ -343,13 +343,11 @@ def _template(tok) -> list[str]:
     alternating, a system turn it requires) is judged on the real data later."""
     if not tok.chat_template:
         return []  # loading the tokenizer for the run says so, with the fix
-    from stages import data
-
     try:
         tok.apply_chat_template(PROBE_CHAT, tokenize=False)
     except Exception as e:  # noqa: BLE001 - only the template's own faults are reported here
-        if data.template_at_fault(e):
-            return [data.template_problem(tok, e)]
+        if template_at_fault(e):
+            return [template_problem(tok, e)]
     return []
 
 
@@ -358,3 +356,19 @@ def chat_template_file(model_dir: Path) -> str:
     tokenizer_config.json's `chat_template`."""
     jinja = Path(model_dir) / "chat_template.jinja"
     return str(jinja) if jinja.is_file() else f"{Path(model_dir) / 'tokenizer_config.json'} (its chat_template)"
+
+
+def template_at_fault(e: BaseException) -> bool:
+    """A chat template that does not parse, or that reaches for Python internals (jinja2's sandbox refuses it):
+    whatever the sample, the template is what to fix."""
+    from jinja2.exceptions import SecurityError, TemplateSyntaxError
+
+    return isinstance(e, (SecurityError, TemplateSyntaxError))
+
+
+def template_problem(tokenizer, e: BaseException) -> str:
+    where = chat_template_file(Path(getattr(tokenizer, "name_or_path", "") or "."))
+    why = ("reaches for Python internals, which transformers' sandbox refuses and no chat template needs"
+           if type(e).__name__ == "SecurityError" else "is not valid Jinja")
+    return (f"the chat template in {where} {why} ({type(e).__name__}: {str(e)[:200]}); the model's files are at fault, not the data: "
+            "restore the chat template that came with the model, or replace it with a plain one (its messages loop only)")

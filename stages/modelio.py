@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
-from stages.config import ConfigError, ModelSection, QuantizationSection
-from stages.errors import ModelError
+from stages.errors import ConfigError, ModelError
+
+if TYPE_CHECKING:  # annotations only: the config imports this module (to check the model), never the reverse
+    from stages.config import ModelSection, QuantizationSection
 
 # Read by torch at the first CUDA allocation, so set before any stage touches the GPU.
 # Variable-length batches under the default allocator reserved 97.5 GiB for 30 GiB
@@ -103,7 +106,7 @@ def load_base(model: ModelSection, quant: QuantizationSection, *, quantized: boo
 
     Args:
         quantized: override `quant.load_in_4bit` (merge loads the unquantised base of a QLoRA run).
-        sharded: FSDP will shard it (stages/sharding.py): loaded into host memory, from where each
+        sharded: FSDP will shard it (stages/train/sharding.py): loaded into host memory, from where each
             process moves only its shard to its GPU; NF4 stored in the compute dtype, which FSDP can
             flatten (the default uint8 storage cannot be sharded).
     """

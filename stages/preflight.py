@@ -28,13 +28,14 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from stages import checks, data, eval_loss, memory, packing
+from stages import checks, data, memory
 from stages.config import ConfigError, RunConfig, load_config
 from stages.errors import UserError
-from stages.kernels import resolve_auto
 from stages.memory import GIB, MemoryReport
 from stages.memory_model import Estimate, Shapes, estimate, loss_mode
 from stages.modelio import load_tokenizer, resolve_model_dir
+from stages.train import eval_loss, packing
+from stages.train.kernels import resolve_auto
 
 # Probe when the estimate is below this multiple of the budget: a run capped at the estimate
 # completed and one capped 3% lower ran out on every row checked (bench/results/cap_at_estimate.json),
@@ -169,9 +170,9 @@ def probe(cfg: RunConfig, worst_len: int, cap_gib: float, out_dir: Path, model=N
     """
     import torch
 
-    from stages import batches, kernels
-    from stages.hf_trainer import make_trainer, release
-    from stages.lora_model import build_model
+    from stages.train import batches, kernels
+    from stages.train.hf_trainer import make_trainer, release
+    from stages.train.model import build_model
 
     total = torch.cuda.get_device_properties(0).total_memory
     packed = kernels.packing(cfg)
@@ -222,14 +223,14 @@ def _steps(cfg: RunConfig, tokenizer, packed: bool) -> dict:
     """What an optimizer step trains and how many epochs training.max_steps covers, from the plan training will make."""
     from dataclasses import asdict
 
-    from stages import batches
+    from stages.train import batches
 
     return asdict(batches.dataset(cfg, None, packed, cfg.training.world_size, data.training_set(cfg, tokenizer).lengths)[1])
 
 
 def check_held_out(cfg: RunConfig, tokenizer) -> None:
     """The held-out file parses, renders with the chat template, and its prompts fit the smoke test's context."""
-    from stages import smoke
+    from stages.export import smoke
 
     samples = data.held_out(cfg, max(cfg.smoke.max_prompts, cfg.export.fidelity.samples, cfg.merge.samples))
     data.tokenize(samples, tokenizer, 1 << 30, "error")
@@ -383,7 +384,7 @@ def headline(r: PreflightResult, cfg: RunConfig) -> str:
 
 
 def _plan_line(steps: dict) -> str:
-    from stages import batches
+    from stages.train import batches
 
     return batches.Plan(**steps).describe() if steps else "not planned"
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from stages import llamacpp, modelcard, quant_types
+from stages.export import llamacpp, modelcard, quant_types
 from tests.conftest import REPO, write_config
 
 pytestmark = pytest.mark.slow

@@ -24,7 +24,8 @@ from pathlib import Path
 
 import pytest
 
-from stages import checks, data, errors, modelcheck, tracking
+from stages import checks, data, errors, modelcheck
+from stages.train import tracking
 from stages.config import load_config
 from stages.modelio import load_tokenizer
 from tests.conftest import DEFAULT, REPO, write_config

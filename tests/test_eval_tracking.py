@@ -9,9 +9,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from stages import batches, eval_loss, lora_model, tracking, train
+from stages import train
 from stages.config import ConfigError, load_config
 from stages.modelio import load_tokenizer
+from stages.train import batches, eval_loss, tracking
+from stages.train import model as lora_model
 from tests.conftest import REPO, write_config
 
 pytestmark = pytest.mark.slow

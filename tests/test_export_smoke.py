@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from stages import export, fidelity, llamacpp, memory, smoke
+from stages import export, memory
 from stages.config import load_config
-from stages.llamacpp_process import LlamaCrashed, LlamaProcess
+from stages.export import fidelity, llamacpp, smoke
+from stages.export.llamacpp_process import LlamaCrashed, LlamaProcess
 from stages.modelio import load_tokenizer
 from tests.conftest import REPO, write_config
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import sys
 
-from stages import batches, hf_trainer, lora_model, memory
+from stages import memory
+from stages.train import batches, hf_trainer
+from stages.train import model as lora_model
 
 
 def test_stage_peak_resets_between_stages(tmp_path):
@@ -126,6 +128,7 @@ def test_the_train_stage_frees_its_model_before_it_returns(tmp_path, monkeypatch
 
     from stages import train
     from stages.config import load_config
+    from stages.train import stage as train_stage
     from tests.conftest import write_config
 
     built = []
@@ -136,7 +139,7 @@ def test_the_train_stage_frees_its_model_before_it_returns(tmp_path, monkeypatch
         return model
 
     build = lora_model.build_model
-    monkeypatch.setattr(train, "build_model", spy)
+    monkeypatch.setattr(train_stage, "build_model", spy)  # the name train.run looks up
     cfg = load_config(write_config(tmp_path, training={"max_steps": 3}))
     gc.disable()
     try:

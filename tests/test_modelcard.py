@@ -6,7 +6,7 @@ import pytest
 from jinja2.exceptions import SecurityError
 from transformers import AutoTokenizer
 
-from stages import modelcard
+from stages.export import modelcard
 from tests.conftest import REPO
 
 

@@ -10,8 +10,10 @@ import random
 import pytest
 import torch
 
-from stages import batches, hf_trainer, kernels, lora_model, packing, preflight
+from stages import preflight
 from stages.config import ConfigError, load_config
+from stages.train import batches, hf_trainer, kernels, packing
+from stages.train import model as lora_model
 from tests.conftest import write_config
 
 
@@ -110,7 +112,7 @@ def test_one_optimizer_step_packed_equals_the_same_step_padded(tmp_path):
         if mode == "padded":
             train_data, collator = rows, batches.Collator(0)
         else:
-            # the collator the model's packed attention reads (train.py pairs them the same way); positions-only:
+            # the collator the model's packed attention reads (stages/train/stage.py pairs them the same way); positions-only:
             # no cu_seq_lens, as transformers' DataCollatorWithFlattening gives, so varlen reads the restarting positions
             collator = batches.PackedCollator(varlen=mode == "packed" and kernels.packed_attention(cfg) == "varlen")
             train_data = packing.PackedRows(rows, [[0, 1], [2, 3]])

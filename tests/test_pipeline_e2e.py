@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from stages import llamacpp
+from stages.export import llamacpp
 from stages.paths import STAGES
 
 pytestmark = pytest.mark.slow

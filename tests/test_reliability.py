@@ -159,7 +159,7 @@ def _unimportable(ws: Workspace, *packages: str) -> str:
 
 def _broken_converter(ws: Workspace) -> dict:
     """A copy of the converter whose own gguf-py does not import (a cache damaged after install)."""
-    from stages import llamacpp
+    from stages.export import llamacpp
 
     copy = ws.tmp / "converter"
     shutil.copytree(llamacpp.converter_dir(), copy, ignore=shutil.ignore_patterns("__pycache__"))

@@ -12,8 +12,9 @@ import sys
 import pytest
 import torch
 
-from stages import architecture, lora_model, memory_model, preflight, train
+from stages import architecture, memory_model, preflight, train
 from stages.config import ConfigError, load_config
+from stages.train import model as lora_model
 from tests.conftest import REPO, write_config
 
 TINY_PHI3 = dict(model_type="phi3", architectures=["Phi3ForCausalLM"], hidden_size=64, intermediate_size=160, num_hidden_layers=2,

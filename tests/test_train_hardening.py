@@ -13,8 +13,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from stages import batches, data, hf_trainer, kernels, lora_model, train
+from stages import data, train
 from stages.config import ConfigError, load_config
+from stages.modelio import load_tokenizer
+from stages.train import batches, hf_trainer, kernels
+from stages.train import model as lora_model
+from stages.train import stage as train_stage
 from tests.conftest import REPO, write_config
 
 pytestmark = pytest.mark.slow
@@ -54,7 +58,7 @@ def test_nothing_of_the_failed_attempt_is_alive_when_the_model_is_built_again(tm
     the rebuild itself run out of memory. Weak references to the failed model, its optimizer and dataloader
     must be dead when build_model is called again, without the test collecting anything."""
     built, checked = [], []
-    real = train.build_model
+    real = lora_model.build_model
 
     def build(*a, **kw):
         if built:
@@ -67,7 +71,7 @@ def test_nothing_of_the_failed_attempt_is_alive_when_the_model_is_built_again(tm
         built.append(type(model).__name__)
         return model
 
-    monkeypatch.setattr(train, "build_model", build)
+    monkeypatch.setattr(train_stage, "build_model", build)  # the name train.run looks up
     cfg = load_config(write_config(tmp_path, training=SHORT | {"max_steps": 6, "packing": "off"}))
     r = train.run(cfg, tmp_path / "train", inject_oom_at=3)
     assert len(built) == 2 and sorted(hf_trainer.InjectOOM.failed) == ["model", "optimizer", "train_dataloader"]
@@ -138,7 +142,7 @@ def test_partial_checkpointing_gives_the_same_gradients_as_full(tmp_path):
     """fit: speed un-checkpoints layers; that must change memory and time, never the gradients."""
     cfg = load_config(write_config(tmp_path, lora={"lora_dropout": 0.0}, training={"packing": "off"}))  # a padded batch below
     model = lora_model.build_model(cfg)
-    tok = train.load_tokenizer(cfg.model)
+    tok = load_tokenizer(cfg.model)
     rows = batches.rows(data.tokenize(data.read_jsonl(cfg.data.train_file)[:4], tok, 256, "error"))
     batch = batches.Collator(tok.pad_token_id)(rows)
     assert lora_model.checkpointed_layers(model) == (2, 2)
@@ -168,7 +172,7 @@ def test_fit_choice_is_recorded(tmp_path):
     r = train.run(cfg, tmp_path / "train")
     fit = json.loads((tmp_path / "train" / "fit.json").read_text())
     assert fit == r.fit and fit["checkpointed_layers"] == fit["total_layers"] == 2
-    # packed on CPU by default: the attention that keeps samples apart (stages/attention.py)
+    # packed on CPU by default: the attention that keeps samples apart (stages/train/attention.py)
     assert "no CUDA device" in fit["reason"] and fit["attention"] == "tae_varlen (cpu)"
 
 

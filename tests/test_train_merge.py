@@ -8,9 +8,11 @@ import pytest
 import torch
 from peft import PeftModel
 
-from stages import lora_model, merge, train
+from stages import train
 from stages.config import load_config
+from stages.export import merge
 from stages.modelio import load_base, load_tokenizer
+from stages.train import model as lora_model
 from tests.conftest import write_config
 
 pytestmark = pytest.mark.slow

@@ -93,7 +93,7 @@ def varlen_attention(module, query, key, value, attention_mask, scaling=None, dr
     key/value [1, kv_heads, tokens, dim]; returns [1, tokens, heads, dim] and no weights."""
     if cu_seq_lens_q is None:  # no boundaries from the collator: one row, its samples told apart by restarting positions
         if query.shape[0] != 1 or attention_mask is not None:
-            raise RuntimeError("varlen attention got a padded batch: it runs on packed micro-batches (stages.packing.collate "
+            raise RuntimeError("varlen attention got a padded batch: it runs on packed micro-batches (stages.train.packing.collate "
                                "with varlen=True) or single rows; set training.packed_attention: mask")
         cu_seq_lens_q = cu_seq_lens_k = _bounds_from_positions(kwargs.get("position_ids"), query.shape[2], query.device)
         max_length_q = max_length_k = int((cu_seq_lens_q[1:] - cu_seq_lens_q[:-1]).max())

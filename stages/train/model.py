@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import torch
 
-from stages import architecture, kernels, sharding
-from stages.attention import avoid_cudnn_sdpa, use_packed_attention
+from stages import architecture
 from stages.config import RunConfig
 from stages.modelio import device, load_base
-from stages.offload import embeddings_to_host
+from stages.train import kernels, sharding
+from stages.train.attention import avoid_cudnn_sdpa, use_packed_attention
+from stages.train.offload import embeddings_to_host
 
 
 def build_model(cfg: RunConfig, longest: int | None = None):
@@ -79,22 +80,15 @@ def check_adapted(model, targets: architecture.Targets, r: int) -> None:
                            "peft adapted other modules than the preflight counted")
 
 
-def _decoder_layers(model) -> list:
-    """The repeated blocks transformers can checkpoint, in order."""
-    from transformers.modeling_layers import GradientCheckpointingLayer
-
-    return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
-
-
 def checkpoint_only(model, n: int) -> None:
     """Checkpoint the first `n` decoder layers, keep the activations of the others (faster)."""
-    for i, layer in enumerate(_decoder_layers(model)):
+    for i, layer in enumerate(architecture.decoder_layers(model)):
         layer.gradient_checkpointing = i < n
 
 
 def checkpointed_layers(model) -> tuple[int, int]:
     """(checkpointed, total) decoder layers."""
-    layers = _decoder_layers(model)
+    layers = architecture.decoder_layers(model)
     return sum(bool(m.gradient_checkpointing) for m in layers), len(layers)
 
 

@@ -150,13 +150,15 @@ def readme(manifest: dict, modelfile_template: TurnTemplate | None) -> str:
     files = manifest["files"]
     fid = {f["quant"]: f for f in manifest.get("fidelity", [])}
     smoke = manifest.get("smoke", {})
-    rows = ["| file | type | size MiB | fallback tensors | mean KL vs merged | top-1 agreement | smoke pass rate | sha256 |",
-            "|---|---|---|---|---|---|---|---|"]
+    rows = ["| file | type | size MiB | fallback tensors | mean KL vs merged | top-1 agreement | smoke pass rate | served: pass rate, "
+            "latency, tok/s | sha256 |", "|---|---|---|---|---|---|---|---|---|"]
     for f in files:
         d, s = fid.get(f["quant"], {}), smoke.get(f["quant"], {})
         fell = ", ".join(f"{k} {n}" for k, n in f.get("fallbacks", {}).items())
+        v = s.get("served") or {}
+        served = f"{v['accuracy']}, {v['mean_latency_s'] * 1000:.0f} ms, {v['completion_tokens_per_s']:.0f}" if v else "-"
         rows.append(f"| `{f['file']}` | {f['quant']} | {f['bytes'] / 2**20:.1f} | {f.get('n_fallback', '-')}{f' ({fell})' if fell else ''} | "
-                    f"{d.get('mean_kl', '-')} | {d.get('top1_agreement', '-')} | {s.get('accuracy', '-')} | `{f['sha256'][:16]}…` |")
+                    f"{d.get('mean_kl', '-')} | {d.get('top1_agreement', '-')} | {s.get('accuracy', '-')} | {served} | `{f['sha256'][:16]}…` |")
     mem = manifest.get("memory_peaks", {})
     mem_rows = markdown_table(mem)
     first = files[0]["file"]

@@ -6,7 +6,7 @@ GPU, sharded (DCP) checkpoints that resume on the same number of processes. This
 holds what the stage adds around it:
 
 - the Trainer's FSDP settings (`trainer_args`), with the stage's own checkpointing (the
-  Trainer's is off: stages/lora_model.py sets it up in the order that works);
+  Trainer's is off: stages/train/model.py sets it up in the order that works);
 - the base loaded into host memory, never whole onto a GPU: each process then moves only
   its shard, so a model larger than one GPU loads (modelio.load_base(sharded=True)); QLoRA keeps its NF4
   weights in the compute dtype (`bnb_4bit_quant_storage`), which FSDP can flatten;
@@ -23,6 +23,7 @@ import os
 
 import torch
 
+from stages.architecture import decoder_layers
 from stages.config import RunConfig
 
 
@@ -35,9 +36,7 @@ def trainer_args(cfg: RunConfig, model) -> dict:
     """TrainingArguments for FSDP2 through accelerate; {} when it does not apply."""
     if not active(cfg):
         return {}
-    from stages.lora_model import _decoder_layers
-
-    layers = {type(m).__name__ for m in _decoder_layers(model)}
+    layers = {type(m).__name__ for m in decoder_layers(model)}
     return {"fsdp": True, "fsdp_config": {
         "version": 2,
         "auto_wrap_policy": "TRANSFORMER_BASED_WRAP",

@@ -7,7 +7,7 @@ text before the merges) in the GGUF's tokenizer.ggml.pre. It recognizes it by th
 a probe text (get_vocab_base_pre), a table of published tokenizers; one trained for the fine-tune, or newer than the
 converter, stops it with "BPE pre-tokenizer was not recognized". When tokenizer.json's own pre_tokenizer is, field
 for field, one that llama.cpp implements (PRE_TOKENIZERS), the converter runs with that name for exactly that case
-(the `python -m stages.gguf_convert` launcher below); export then checks, on the converter's own probe text among
+(the `python -m stages.export.convert` launcher below); export then checks, on the converter's own probe text among
 others, that the GGUF tokenizes exactly as the HF tokenizer does.
 """
 
@@ -24,9 +24,10 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from stages import errors, llamacpp, memory
+from stages import errors, memory
+from stages.export import llamacpp
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the directory that holds the `stages` package
 MARK = "train-and-export: BPE pre-tokenizer not in the converter's table; tokenizer.json's pre_tokenizer is llama.cpp's"
 
 # transformers 5 writes rope_type "default" for plain RoPE; the converter knows only the scaled types by name,
@@ -57,7 +58,7 @@ def convert(meter: memory.track, converter: Path, merged_dir: Path, dst: Path, o
     pre = pre_tokenizer(merged_dir)
     if pre:
         env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-        cmd = [sys.executable, "-P", "-m", "stages.gguf_convert", pre, str(script), *args]
+        cmd = [sys.executable, "-P", "-m", "stages.export.convert", pre, str(script), *args]
     else:
         env, cmd = None, [sys.executable, str(script), *args]
     proc = meter.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)

@@ -45,9 +45,9 @@ def choose(cfg: RunConfig, model, worst_batch: dict, trainable_params: int, opti
         worst_batch: a collated micro-batch of the longest rows.
         trainable_params, optim: size the optimizer states, allocated only at the first step.
     """
-    from stages.kernels import offload_activations
-    from stages.lora_model import checkpointed_layers
-    from stages.offload import HostEmbedding
+    from stages.train.kernels import offload_activations
+    from stages.train.model import checkpointed_layers
+    from stages.train.offload import HostEmbedding
 
     n, total = checkpointed_layers(model)
     on_host = isinstance(model.get_input_embeddings(), HostEmbedding)  # not when tied to lm_head
@@ -64,8 +64,8 @@ def choose(cfg: RunConfig, model, worst_batch: dict, trainable_params: int, opti
 
 
 def _choose_speed(cfg: RunConfig, model, worst_batch: dict, trainable_params: int, optim: str, choice: FitChoice, total: int) -> FitChoice:
-    from stages.lora_model import checkpoint_only
     from stages.preflight import CUDA_CONTEXT_GIB, OPTIM_BYTES
+    from stages.train.model import checkpoint_only
 
     budget = cfg.preflight.gpu_memory_gib or torch.cuda.get_device_properties(device()).total_memory / GIB
     usable = (budget - CUDA_CONTEXT_GIB) * (1 - cfg.preflight.margin)

@@ -12,20 +12,20 @@ silently lose memory savings are set explicitly here, not left to defaults:
 - no `prepare_model_for_kbit_training`: it upcasts embeddings, lm_head and norms to fp32
   (+2 GiB and 3.5x slower steps on a 7B, measured in ../shared/anchors).
 
-Micro-batches are packed to a token budget (`training.packing`, stages/packing.py) or padded
-to their longest row (stages/batches.py). The pieces: stages/lora_model.py builds the model
-(the preflight's probe builds it the same way), stages/kernels.py resolves the `auto`
-settings, stages/hf_trainer.py is the Trainer, stages/launch.py the multi-process launcher.
+Micro-batches are packed to a token budget (`training.packing`, stages/train/packing.py) or padded
+to their longest row (stages/train/batches.py). The pieces: stages/train/model.py builds the model
+(the preflight's probe builds it the same way), stages/train/kernels.py resolves the `auto`
+settings, stages/train/hf_trainer.py is the Trainer, stages/train/launch.py the multi-process launcher.
 
 Checkpoints go to <out>/checkpoints every `training.save_steps`; running again after a
 crash resumes from the last one (packed: the same micro-batches, from the seeded plan). Per-step memory goes to <out>/memory_steps.jsonl, the
 loss curve to <out>/loss.jsonl and <out>/loss.png.
 
 With eval data (data.eval_file or data.eval_split), the eval loss per loss-carrying token is
-measured every `training.eval_steps` (stages/eval_loss.py) into <out>/eval_loss.jsonl and the
+measured every `training.eval_steps` (stages/train/eval_loss.py) into <out>/eval_loss.jsonl and the
 second line of loss.png; `training.early_stopping_patience` stops training after that many evals
 without a lower one, and with `training.load_best` the adapter written is the checkpoint of the
-lowest eval loss. `training.report_to` sends all of it to TensorBoard and/or MLflow (stages/tracking.py).
+lowest eval loss. `training.report_to` sends all of it to TensorBoard and/or MLflow (stages/train/tracking.py).
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 import traceback
 import weakref
@@ -42,16 +41,17 @@ from pathlib import Path
 
 import torch
 
-from stages import autofit, batches, data, eval_loss, kernels, launch, memory, sharding
-from stages.attention import attention_kernel
+from stages import data, memory
 from stages.config import RunConfig, load_config
 from stages.errors import UserError
-from stages.hf_trainer import InjectOOM, MemorySnapshot, last_checkpoint, make_trainer, release, step_of
-from stages.lora_model import build_model
 from stages.memory import MemoryReport
 from stages.modelio import device, load_tokenizer
-from stages.plots import plot_loss, plot_memory
-from stages.tracking import Tracker
+from stages.train import autofit, batches, eval_loss, kernels, launch, sharding
+from stages.train.attention import attention_kernel
+from stages.train.hf_trainer import InjectOOM, MemorySnapshot, last_checkpoint, make_trainer, release, step_of
+from stages.train.model import build_model
+from stages.train.plots import plot_loss, plot_memory
+from stages.train.tracking import Tracker
 
 
 @dataclass
@@ -380,11 +380,3 @@ def main(argv: list[str] | None = None) -> None:
     if r is None:  # a DDP rank other than 0
         return
     print(f"adapter: {r.adapter_dir}  steps {r.steps}  loss {r.first_loss:.3f} -> {r.final_loss:.3f}  {r.tokens_per_s:.0f} tok/s")
-
-
-if __name__ == "__main__":
-    import sys
-
-    from stages.errors import run_cli
-
-    sys.exit(run_cli(main, "train"))

@@ -1,7 +1,7 @@
 """The HF Trainer as training (and the preflight's probe) runs it, its callbacks, and how
 a finished or failed one lets go of the model.
 
-With eval rows, the Trainer evaluates every `training.eval_steps` (stages/eval_loss.py: loss per
+With eval rows, the Trainer evaluates every `training.eval_steps` (stages/train/eval_loss.py: loss per
 loss-carrying token of the whole eval set), stops early after `training.early_stopping_patience`
 evals without a lower eval loss (transformers' EarlyStoppingCallback), and with `training.load_best`
 ends holding the checkpoint of the lowest eval loss (load_best_model_at_end on eval_loss).
@@ -20,11 +20,12 @@ from pathlib import Path
 import torch
 from transformers import TrainerCallback
 
-from stages import eval_loss, kernels, memory, sharding
+from stages import memory
 from stages.config import RunConfig
 from stages.modelio import compute_dtype, device
-from stages.offload import OffloadActivations
-from stages.packing import PackedRows, PackedSteps
+from stages.train import eval_loss, kernels, sharding
+from stages.train.offload import OffloadActivations
+from stages.train.packing import PackedRows, PackedSteps
 
 
 class _NumericCheckpointOrder(logging.Filter):
@@ -225,7 +226,7 @@ def forget_optimizer_overrides(model) -> None:
 
 class MemoryCallback(TrainerCallback):
     """Appends memory.stats() at every optimizer step to a JSON-lines file, and hands the same row
-    to each of `sinks` (the trackers, stages/tracking.py).
+    to each of `sinks` (the trackers, stages/train/tracking.py).
 
     Only reads state; the CUDA figures come from the allocator's counters, not a sync.
     """

@@ -3,7 +3,7 @@
 Padded (`training.packing: off`): `per_device_train_batch_size` rows per micro-batch, each
 padded to the longest; the micro-batch holding the longest sample is the worst step.
 Packed (on): the samples of a step (packed_step: samples, as many as padded) or micro-batches filled
-to `max_tokens_per_batch` tokens (packed_step: tokens), no padding (stages/packing.py); the worst
+to `max_tokens_per_batch` tokens (packed_step: tokens), no padding (stages/train/packing.py); the worst
 micro-batch is a budget of the longest samples, at most a step's worth.
 """
 
@@ -14,8 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
-from stages import data, packing
+from stages import data
 from stages.config import RunConfig
+from stages.train import packing
 
 
 @dataclass

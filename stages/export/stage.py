@@ -5,7 +5,7 @@
 merged safetensors --convert_hf_to_gguf.py--> model-f16.gguf --llama_model_quantize--> model-Q4_K_M.gguf, model-Q5_K_S.gguf
 
 Each quantized file is read back with gguf-py and checked: architecture, general.file_type,
-and every tensor in the type llama.cpp's own rule gives it (stages/quant_types.py): the
+and every tensor in the type llama.cpp's own rule gives it (stages/export/quant_types.py): the
 mix's K-type, or, for a matrix whose rows are not a multiple of 256 (widths 576, 896,
 960), the fallback llama.cpp picks (Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0). Fallbacks
 are counted per file in export_result.json, the model card and the hand-off manifest.
@@ -28,10 +28,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from stages import data, errors, fidelity, gguf_convert, llamacpp, memory, quant_types
+from stages import data, errors, memory
 from stages.config import QUANT_FTYPES, RunConfig, load_config
 from stages.errors import MissingInput
-from stages.llamacpp_process import LlamaProcess
+from stages.export import convert, fidelity, llamacpp, quant_types
+from stages.export.llamacpp_process import LlamaProcess
 from stages.memory import MemoryReport
 from stages.modelio import load_tokenizer
 
@@ -84,13 +85,13 @@ def run(cfg: RunConfig, merged_dir: Path, out_dir: Path) -> ExportResult:
 
     with memory.track("export", out_dir) as meter, _no_partial_files(out_dir):
         base = out_dir / f"model-{cfg.export.outtype}.gguf"
-        converted = gguf_convert.convert(meter, converter, merged_dir, base, cfg.export.outtype)
+        converted = convert.convert(meter, converter, merged_dir, base, cfg.export.outtype)
         lap(f"convert_{cfg.export.outtype}")
         rows = json.loads((merged_dir / "config.json").read_text()).get("vocab_size")
         checks = {"base": check_tokenizer(llamacpp.read_gguf(base), tokenizer, rows)}
         texts = data.held_out_texts(cfg, tokenizer, 20)
         if converted.pre_tokenizer:  # named from tokenizer.json, not recognized by the converter: prove it on its probe text
-            texts.append(gguf_convert.probe_text(converter))
+            texts.append(convert.probe_text(converter))
             checks["pre_tokenizer"] = {"name": converted.pre_tokenizer, "from": "tokenizer.json", "probe_text_compared": True}
         checks["tokenization"] = check_tokenization(base, tokenizer, texts)
         lap("tokenizer_checks")
@@ -162,7 +163,7 @@ def check_quant_types(info: dict, quant: str, path: Path) -> dict[str, int]:
             f"{path.name}: {len(wrong)} of {len(expected)} tensors are not in the type llama.cpp's {quant} rule gives them: "
             + ", ".join(f"{n} is {info['tensor_types'][n]}, expected {c.type} ({why(c)})" for n, c in list(wrong.items())[:8])
             + f"; the file is not what llama-cpp-python {llamacpp.runtime_version()} writes for {quant}. If llama-cpp-python was "
-            "upgraded, port its src/llama-quant.cpp type rule into stages/quant_types.py; otherwise re-export"
+            "upgraded, port its src/llama-quant.cpp type rule into stages/export/quant_types.py; otherwise re-export"
         )
     return quant_types.fallbacks(expected)
 
@@ -241,11 +242,3 @@ def main(argv: list[str] | None = None) -> None:
     r = run(load_config(a.config), a.merged, a.out)
     for f in r.files:
         print(f"{f.quant}: {f.path} ({f.size_mib} MiB) {f.tensor_types}, {f.n_fallback} fallbacks {f.fallbacks}")
-
-
-if __name__ == "__main__":
-    import sys
-
-    from stages.errors import run_cli
-
-    sys.exit(run_cli(main, "export"))

@@ -19,7 +19,7 @@ import torch
 from stages import data, memory
 from stages.config import FidelitySection
 from stages.errors import UserError
-from stages.llamacpp_process import LlamaProcess
+from stages.export.llamacpp_process import LlamaProcess
 
 # Full-vocabulary float32 log-probs are kept per position (152k vocab: 0.6 MB each), and
 # llama.cpp's logits_all holds n_ctx x vocab: each text is cut to this many tokens.

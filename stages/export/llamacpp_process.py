@@ -28,9 +28,9 @@ import traceback
 from pathlib import Path
 
 from stages import memory
-from stages.llamacpp import VERBOSE
+from stages.export.llamacpp import VERBOSE
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the directory that holds the `stages` package
 
 
 class LlamaCrashed(RuntimeError):
@@ -99,7 +99,7 @@ class LlamaProcess:
 
 def command(arg: str) -> list[str]:
     """How the llama.cpp process starts. -P: a `stages` package in the caller's working directory must not shadow this one."""
-    return [sys.executable, "-P", "-X", "faulthandler", "-m", "stages.llamacpp_process", arg]
+    return [sys.executable, "-P", "-X", "faulthandler", "-m", "stages.export.llamacpp_process", arg]
 
 
 def environment() -> dict:

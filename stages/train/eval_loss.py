@@ -19,7 +19,7 @@ padded and packed give the same number (packed, each sample's first label is mas
 is never a target either). It is the training loss's normalisation too (the Trainer divides an
 optimizer step's summed token losses by its loss-carrying tokens), so both curves share an axis.
 The Trainer's own evaluation_loop averages per-batch means weighted by rows, which moves with the
-batching; hence `measure` here and the Trainer's `evaluate` in stages/hf_trainer.py.
+batching; hence `measure` here and the Trainer's `evaluate` in stages/train/hf_trainer.py.
 
 Memory: no gradients and nothing saved for backward, so an eval batch costs about one forward of
 a training micro-batch, less than the step itself. The exception is the logits: in eval mode
@@ -38,8 +38,9 @@ from collections.abc import Callable
 
 import torch
 
-from stages import batches, data, packing
+from stages import data
 from stages.config import ConfigError, RunConfig
+from stages.train import batches, packing
 
 
 def eval_steps(cfg: RunConfig, has_eval: bool) -> int | None:

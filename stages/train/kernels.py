@@ -53,7 +53,7 @@ def resolve_auto(cfg: RunConfig, *, on_gpu: bool, liger: bool = True, bnb: bool 
 
 def _resolved(cfg: RunConfig, key: str, longest: int | None = None) -> bool | str | None:
     """`key` of resolve_auto on this machine; a GPU-only setting forced `on` without a GPU is an error."""
-    from stages.attention import varlen_available
+    from stages.train.attention import varlen_available
 
     on_gpu = device().type == "cuda"
     needs = {"fused_kernels": "a CUDA GPU and liger-kernel (`pip install -e .[gpu]`)",

@@ -1,0 +1,133 @@
+"""The layout of stages/: no import circle among its modules, and every stage's CLI starts.
+
+The graph has an edge A -> B for every `import stages...` / `from stages... import ...` in A that names
+module B, at the top of the file or inside a function (a function-level import closes a circle as
+surely, only later). `from stages.train import packing` is an edge to the submodule packing, not to the
+package's __init__; `from stages import train` is an edge to stages/train/__init__.py. Importing a
+submodule also runs its package's __init__: not counted, as the packages' __init__ import nothing
+at their top. Imports under `if TYPE_CHECKING:` never run and are not counted.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO
+
+STAGES = REPO / "stages"
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(REPO).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or \
+        (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _imports(tree: ast.AST):
+    """Every import statement that can run: top level, in functions and classes, not under `if TYPE_CHECKING:`."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node
+        elif isinstance(node, ast.If) and _is_type_checking(node.test):
+            stack.extend(node.orelse)
+        else:
+            stack.extend(ast.iter_child_nodes(node))
+
+
+def import_graph() -> dict[str, set[str]]:
+    files = {module_name(p): p for p in sorted(STAGES.rglob("*.py"))}
+    graph: dict[str, set[str]] = {}
+    for name, path in files.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        edges = set()
+        for node in _imports(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                edges |= {a.name for a in node.names if a.name in files}
+                continue
+            base = node.module or ""
+            if node.level:  # relative: from the package this file is in
+                up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(up + ([base] if base else []))
+            for a in node.names:
+                sub = f"{base}.{a.name}"
+                if sub in files:
+                    edges.add(sub)
+                elif base in files:
+                    edges.add(base)
+        edges.discard(name)
+        graph[name] = edges
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import circle as [a, b, ..., a], or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(v: str) -> list[str] | None:
+        state[v] = 1
+        path.append(v)
+        for w in sorted(graph[v]):
+            if state.get(w) == 1:
+                return path[path.index(w):] + [w]
+            if w not in state and (found := visit(w)):
+                return found
+        path.pop()
+        state[v] = 2
+        return None
+
+    for v in sorted(graph):
+        if v not in state and (found := visit(v)):
+            return found
+    return None
+
+
+def test_the_graph_sees_the_imports():
+    g = import_graph()
+    assert "stages.train.model" in g["stages.train.stage"]           # top level, from a sibling
+    assert "stages.train.stage" in g["stages.train"]                   # the package's lazy API
+    assert "stages.train.hf_trainer" in g["stages.preflight"]          # inside a function
+    assert "stages.architecture" in g["stages.train.sharding"]         # decoder_layers
+    assert "stages.config" not in g["stages.modelio"]                  # only under TYPE_CHECKING
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+
+
+def test_no_import_circle_among_stages_modules():
+    cycle = find_cycle(import_graph())
+    assert cycle is None, "import circle: " + " -> ".join(cycle)
+
+
+def _python(*args: str, timeout: int = 180) -> subprocess.CompletedProcess:
+    env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    return subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("stage", ["preflight", "train", "merge", "export", "smoke"])
+def test_every_stage_cli_starts(stage):
+    p = _python("-m", f"stages.{stage}", "--help")
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "--config" in p.stdout
+
+
+def test_a_stage_package_loads_its_stage_only_when_asked():
+    """The preflight reads pieces of training without loading the train stage (the Trainer, peft, accelerate); llama.cpp's
+    child process imports the export package without torch."""
+    p = _python("-c", "import sys, stages.preflight, stages.export.llamacpp_process as c; "
+                      "print(sorted(m for m in ('stages.train.stage', 'stages.export.stage', 'peft', 'transformers') if m in sys.modules))")
+    assert p.returncode == 0 and p.stdout.split() == ["[]"], p.stdout + p.stderr[-3000:]
+    p = _python("-c", "import sys, stages.export.llamacpp_process; assert 'torch' not in sys.modules, 'torch imported'")
+    assert p.returncode == 0, p.stderr[-3000:]
+    p = _python("-c", "from stages import export, train; print(train.run.__module__, export.run.__module__, train.TrainOOMError.__name__)")
+    assert p.returncode == 0 and p.stdout.split() == ["stages.train.stage", "stages.export.stage", "TrainOOMError"], p.stderr[-3000:]
