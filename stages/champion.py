@@ -100,8 +100,8 @@ def compare(cfg: RunConfig, challenger: dict, champion: tuple[str, dict, Path] |
                         a is not None and b is not None and b < a - tol.smoke_accuracy_drop, note))
     a, b = (old.get("train") or {}).get("best_eval_loss"), (challenger.get("train") or {}).get("best_eval_loss")
     if same_data:
-        rows.append(Row("eval loss", a, b, f"at most {tol.eval_loss_rise:.0%} higher",
-                        a is not None and b is not None and b > a * (1 + tol.eval_loss_rise)))
+        rows.append(Row("eval loss", a, b, f"at most {tol.eval_loss_rise:.0%} + {tol.eval_loss_floor} higher",
+                        a is not None and b is not None and b > a * (1 + tol.eval_loss_rise) + tol.eval_loss_floor))
     else:
         rows.append(Row("eval loss", a, b, "-", False, "not compared: the held-out data changed"))
     old_kl = {f["quant"]: f["mean_kl"] for f in old.get("fidelity") or []}

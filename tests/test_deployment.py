@@ -229,3 +229,20 @@ def test_cancelling_a_run_stops_its_training_processes(server):
             return False
 
     _wait(lambda: not any(alive(p) for p in procs), 60, "the training processes to exit")
+
+
+def test_a_worse_retrain_through_the_deployment_is_a_candidate_not_latest(server):
+    """Champion/challenger through the served deployment: a deliberately worse retrain of the same model name (5 steps
+    at a learning rate that teaches nothing, so its eval loss on the same held-out data stays at the base's) fails its
+    flow run (what an automation alerts on), its bundle is published as a candidate with its comparison, and
+    `latest` still points at the champion."""
+    cfg = yaml.safe_load(Path(server.config).read_text())
+    root = Path(cfg["handoff"]["dir"]) / cfg["handoff"]["model_name"]
+    champion = (root / "latest").resolve().name  # the earlier tests published this data's bundles
+    fr = server.wait_done(server.cli_run("train-and-export/default", config=str(server.config),
+                                         overrides=["training.max_steps=5", "training.learning_rate=1.0e-6"]))
+    assert fr.state.is_failed() and "worse than the bundle `latest` points at" in (fr.state.message or ""), fr.state
+    assert (root / "latest").resolve().name == champion
+    candidate = max((p for p in root.iterdir() if p.is_dir() and p.name != champion), key=lambda p: p.stat().st_mtime)
+    assert "**worse** (eval loss" in (candidate / "comparison.md").read_text()
+    assert "champion-challenger" in _artifact_keys(server, fr.id)

@@ -172,3 +172,25 @@ def test_a_crash_inside_llama_cpp_is_one_clear_error(run_dir):
             llm.call("scores", [1, 2, 3])
     with LlamaProcess(gguf.name) as llm, pytest.raises(ValueError, match="Failed to load model"):
         llm.call("load", str(run_dir / "export" / "export_result.json"))  # an error inside comes back as itself
+
+
+def test_every_gguf_is_also_asked_through_the_openai_compatible_server_which_then_stops(run_dir, tmp_path):
+    """The serving team's path: llama.cpp's server on loopback, the openai client's chat completions, the GGUF's own
+    template applied server-side. The e2e run's smoke result holds a served row per GGUF that passed like the
+    in-process one and stopped at the end of turn; asked again here, no server process is left after the stage."""
+    import psutil
+
+    result = json.loads((run_dir / "smoke" / "smoke_result.json").read_text())
+    for f in result["files"]:
+        served = f["served"]
+        assert served["n_prompts"] == f["n_prompts"] and served["accuracy"] >= 0.9 and served["stopped_at_eot"] == served["n_prompts"]
+        assert served["mean_latency_s"] > 0 and served["completion_tokens_per_s"] > 0
+    card = next((run_dir.parent.parent.parent / "handoff").rglob("README.md")).read_text()
+    assert "served: pass rate, latency, tok/s" in card
+    cfg = load_config(write_config(tmp_path, smoke={"max_prompts": 5}))
+    gguf = run_dir / "export" / "model-Q4_K_M.gguf"
+    r = smoke.run(cfg, [("Q4_K_M", gguf)], tmp_path / "smoke")
+    assert r.files[0].served["n_prompts"] == 5 and (tmp_path / "smoke" / "server-Q4_K_M.log").is_file()
+    left = [p for p in psutil.process_iter(["cmdline"]) if "llama_cpp.server" in " ".join(p.info["cmdline"] or []) and str(gguf) in
+            " ".join(p.info["cmdline"] or [])]
+    assert not left, [p.info["cmdline"] for p in left]
