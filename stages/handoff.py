@@ -15,7 +15,9 @@
                                              (stages/champion.py); a worse one stays a candidate
 
 Publishing is atomic: the bundle is built in a hidden temporary directory next to its
-final place and renamed into place, then `latest` is switched with a rename. A failure at
+final place and renamed into place, then `latest` is switched with a rename. The GGUFs are
+reflinked or hard-linked from the run (read-only) where they share a filesystem, copied where
+they do not (`place`): a 7B's ~10 GB are not written twice. A failure at
 any point leaves every published version, and `latest`, as they were. Versions are
 never overwritten.
 """
@@ -92,18 +94,16 @@ def run(
         tmp = Path(tempfile.mkdtemp(prefix=f".{version}.", dir=root))
         try:
             names = []
+            placed = {}
             for _quant, src in gguf_files:
                 dst = tmp / Path(src).name
-                # A copy, not a hard link: a link would let anything rewriting the run's
-                # file in place change a published bundle under the serving team.
-                shutil.copy2(src, dst)
-                dst.chmod(0o444)
+                placed[dst.name] = place(Path(src), dst)
                 names.append(dst.name)
                 errors.inject("handoff-copy", dst)
             sums = {n: sha256_file(tmp / n) for n in names}
             serving = _serving(cfg, gguf_files[0][1])
             manifest = _manifest(cfg, version, gguf_files, sums, adapter_dir, data_fingerprint, smoke, memory,
-                                 {"fidelity": fidelity or [], "merge": merge or {}, "stop_tokens": serving["stops"],
+                                 {"fidelity": fidelity or [], "merge": merge or {}, "stop_tokens": serving["stops"], "placed": placed,
                                   "held_out_fingerprint": champion.held_out_fingerprint(cfg)} | (extra or {}))
             verdict = (champion.compare(cfg, json.loads(json.dumps(manifest, default=str)), champion.champion_of(root))
                        if cfg.handoff.promotion.compare else champion.Verdict(None, True))
@@ -131,6 +131,40 @@ def run(
         if verdict.promote:
             _point_latest(root, version)
     return HandoffResult(final, final / "manifest.json", version, names, meter.report, verdict.promote, verdict.markdown())
+
+
+FICLONE = 0x40049409  # linux/fs.h: share the source's blocks, copy-on-write (btrfs, XFS, bcachefs, overlayfs on those)
+
+
+def place(src: Path, dst: Path) -> str:
+    """Put a GGUF into the bundle without copying its bytes where the filesystem allows; returns how.
+
+    reflink   the file's blocks shared copy-on-write: the bundle's file is independent of the run's
+    hardlink  the same inode, both names made read-only first, so neither the run nor anything else can
+              rewrite a published file in place (a rewrite must make a new file, which the link does not follow)
+    copy      another filesystem, or one that links nothing (the bundle then holds its own bytes)
+    The bundle's SHA256SUMS are computed from the placed file either way.
+    """
+    import fcntl
+
+    try:
+        with src.open("rb") as s, dst.open("wb") as d:
+            fcntl.ioctl(d.fileno(), FICLONE, s.fileno())
+        shutil.copystat(src, dst)
+        dst.chmod(0o444)
+        return "reflink"
+    except OSError:
+        dst.unlink(missing_ok=True)
+    try:
+        src.chmod(0o444)
+        os.link(src, dst)
+        return "hardlink"
+    except OSError as e:
+        if e.errno == errno.ENOSPC:
+            raise
+    shutil.copy2(src, dst)
+    dst.chmod(0o444)
+    return "copy"
 
 
 def sha256_file(path: Path, chunk: int = 1 << 20) -> str:

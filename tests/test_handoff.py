@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 
 import pytest
@@ -21,6 +22,7 @@ def gguf(tmp_path, name, payload: bytes):
 
     tok = load_tokenizer(load_config(write_config(tmp_path)).model)
     p = tmp_path / name
+    p.unlink(missing_ok=True)  # a new file, as export writes one (a .partial renamed into place): a published link keeps the old
     w = GGUFWriter(str(p), "llama")
     w.add_chat_template(tok.chat_template)
     w.add_bos_token_id(tok.bos_token_id)
@@ -92,14 +94,14 @@ def test_disk_full_mid_write_publishes_nothing(tmp_path, monkeypatch):
     a = publish(cfg, "v1", [("Q4_K_M", gguf(tmp_path, "model-Q4_K_M.gguf", b"one"))], tmp_path)
     calls = []
 
-    def fill_disk(src, dst, **kw):  # the second file hits a full disk
+    def fill_disk(src, dst):  # the second file hits a full disk
         calls.append(dst)
         if len(calls) == 2:
             raise OSError(errno.ENOSPC, "No space left on device")
-        return real(src, dst, **kw)
+        return real(src, dst)
 
-    real = shutil.copy2
-    monkeypatch.setattr(shutil, "copy2", fill_disk)
+    real = handoff.place
+    monkeypatch.setattr(handoff, "place", fill_disk)
     files = [("Q4_K_M", gguf(tmp_path, "model-Q4_K_M.gguf", b"x")), ("Q5_K_S", gguf(tmp_path, "model-Q5_K_S.gguf", b"y"))]
     with pytest.raises(OSError, match="disk full while writing the bundle.*nothing was published and `latest` is unchanged"):
         publish(cfg, "v2", files, tmp_path)
@@ -167,3 +169,23 @@ def test_a_worse_retrain_fails_the_flow_run_and_leaves_latest(tmp_path, capfd, p
     assert code == 2 and len(stopped) == 1 and "Regression: this run is worse than the bundle `latest` points at" in stopped[0], err[-2000:]
     assert "smoke accuracy Q4_K_M" in stopped[0] and "ln -sfn worse" in stopped[0]
     assert (root / "latest").resolve().name == "v0" and (root / "worse" / "comparison.md").is_file()
+
+
+def test_the_bundle_links_the_run_s_ggufs_read_only_where_one_filesystem_holds_both(tmp_path):
+    """No second copy of a 7B's 10 GB: the GGUF is reflinked or hard-linked into the bundle; a hard link makes both
+    names read-only, so nothing rewrites a published file in place; checksummed as before."""
+    import os
+
+    cfg = load_config(write_config(tmp_path))
+    src = gguf(tmp_path, "model-Q4_K_M.gguf", b"linked")
+    b = publish(cfg, "v1", [("Q4_K_M", src)], tmp_path)
+    placed = json.loads((b.bundle_dir / "manifest.json").read_text())["placed"]
+    dst = b.bundle_dir / "model-Q4_K_M.gguf"
+    assert placed["model-Q4_K_M.gguf"] in ("reflink", "hardlink")
+    if placed["model-Q4_K_M.gguf"] == "hardlink":
+        assert os.stat(src).st_ino == os.stat(dst).st_ino and not os.access(src, os.W_OK) or os.geteuid() == 0
+        assert oct(src.stat().st_mode & 0o777) == "0o444"
+    subprocess.run(["sha256sum", "-c", "SHA256SUMS"], cwd=b.bundle_dir, check=True, capture_output=True)
+    # another filesystem (or one that links nothing): a copy
+    other = tmp_path / "copy.gguf"
+    assert handoff.place(src, other) in ("reflink", "hardlink")  # same filesystem here
