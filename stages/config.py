@@ -25,6 +25,9 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 # ConfigError lives in stages.errors, so that modelio raises it without importing the config; it is still stages.config.ConfigError.
 from stages.errors import ConfigError, UserError
 
+# Micro-batches of this many tokens or more get the tiled MLP (training.tiled_mlp: auto).
+TILE_FROM_TOKENS = 32768
+
 QUANT_FTYPES = {"Q4_K_M": 15, "Q5_K_S": 16, "Q5_K_M": 17, "Q6_K": 18, "Q8_0": 7, "Q4_K_S": 14}
 
 
@@ -200,7 +203,9 @@ class TrainingSection(Section):
     )
     max_tokens_per_batch: int | None = Field(
         None, gt=0, description="Packing: the most tokens in one micro-batch (at least the longest sample). null: "
-        "per_device_train_batch_size x data.max_length, the padded run's worst micro-batch, which the preflight fits."
+        "per_device_train_batch_size x data.max_length (the padded run's worst micro-batch, which the preflight fits), "
+        "but below the 32768 tokens from which tiled_mlp: auto tiles the MLP (the widest multiple of data.max_length under "
+        "it): on R7 a 24576-token budget trained faster than 32768 with the tiled MLP (bench/results/packing/goals_*.json)."
     )
     packed_step: Literal["samples", "tokens"] = Field(
         "samples", description="Packed, what one optimizer step trains. samples: what a padded run's step trains, "
@@ -403,8 +408,27 @@ class RunConfig(Section):
 
     def token_budget(self) -> int:
         """Tokens per packed micro-batch: training.max_tokens_per_batch, or by default the padded run's worst
-        micro-batch (micro-batch x data.max_length), which the preflight fits."""
-        return self.training.max_tokens_per_batch or self.training.per_device_train_batch_size * self.data.max_length
+        micro-batch (micro-batch x data.max_length), which the preflight fits, cut to stay under the tiled MLP's
+        switch where data.max_length allows: tiling pays one more MLP forward per layer, and a step packed into
+        more, smaller micro-batches trains the same samples (packed_step: samples)."""
+        t = self.training
+        if t.max_tokens_per_batch:
+            return t.max_tokens_per_batch
+        padded = t.per_device_train_batch_size * self.data.max_length
+        if padded < TILE_FROM_TOKENS or t.tiled_mlp == "on" or self.data.max_length >= TILE_FROM_TOKENS:
+            return padded
+        return (TILE_FROM_TOKENS - 1) // self.data.max_length * self.data.max_length
+
+    def token_budget_reason(self) -> str:
+        """Why token_budget() is what it is, for the preflight report and the train log."""
+        t, budget = self.training, self.token_budget()
+        if t.max_tokens_per_batch:
+            return "training.max_tokens_per_batch"
+        padded = t.per_device_train_batch_size * self.data.max_length
+        if budget == padded:
+            return f"per_device_train_batch_size x data.max_length ({t.per_device_train_batch_size} x {self.data.max_length})"
+        return (f"the widest multiple of data.max_length under the {TILE_FROM_TOKENS} tokens that would switch the tiled MLP on "
+                f"(the padded worst case, {padded}, would: one more MLP forward per layer)")
 
     def samples_per_step(self) -> int:
         """Samples one optimizer step trains per process, padded or packed by samples (packed_step: samples)."""

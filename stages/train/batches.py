@@ -33,9 +33,11 @@ class Plan:
     tokens_per_step: float = 0.0    # mean sample tokens per optimizer step, all processes
     steps_per_epoch: float = 0.0
     epochs: float = 0.0             # what max_steps covers
+    budget_reason: str = ""         # packed: why the micro-batches hold at most tokens_per_micro_batch tokens
 
     def describe(self) -> str:
-        how = (f"packed, micro-batches of at most {self.tokens_per_micro_batch} tokens" if self.packed
+        how = (f"packed, micro-batches of at most {self.tokens_per_micro_batch} tokens"
+               + (f" ({self.budget_reason})" if self.budget_reason else "") if self.packed
                else f"padded (widest micro-batch {self.tokens_per_micro_batch} tokens)")
         return (f"{how}; an optimizer step trains {self.samples_per_step:.1f} samples, {self.tokens_per_step:,.0f} tokens "
                 f"({'as many samples as padded' if self.step == 'samples' else 'a token budget: more samples than padded'}); "
@@ -87,6 +89,8 @@ def _figures(plan: Plan, cfg: RunConfig, samples: int, tokens: int, per_step: fl
     plan.tokens_per_step = round(per_step * tokens / samples, 1)
     plan.steps_per_epoch = round(samples / per_step, 2)
     plan.epochs = round(cfg.training.max_steps / plan.steps_per_epoch, 3)
+    if plan.packed:
+        plan.budget_reason = cfg.token_budget_reason()
     return plan
 
 

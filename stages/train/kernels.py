@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import importlib.util
 
-from stages.config import ConfigError, RunConfig
+from stages.config import TILE_FROM_TOKENS, ConfigError, RunConfig
 from stages.modelio import device
-
-TILE_FROM_TOKENS = 32768
 
 
 def resolve_auto(cfg: RunConfig, *, on_gpu: bool, liger: bool = True, bnb: bool = True, varlen: bool = True,
