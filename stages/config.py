@@ -27,9 +27,9 @@ from stages.errors import ConfigError, UserError
 
 # Micro-batches of this many tokens or more get the tiled MLP (training.tiled_mlp: auto).
 TILE_FROM_TOKENS = 32768
-# The default packed budget stops here (where data.max_length allows): on R7 QLoRA, steps of 32 samples, the stage
-# trained 8,866 loss tokens/s with 16384-token micro-batches, 8,171 with 24576, 6,227 with 32768 (tiled MLP on)
-# (bench/results/packing/goals_*.json).
+# The default packed budget stops here (where data.max_length allows): on R7 QLoRA, steps of 32 samples, 16384- and
+# 24576-token micro-batches trained within noise of each other (8,311-8,866 and 8,171-8,768 loss tokens/s over two
+# calls), 32768 (the tiled MLP on) 6,173-6,227 (bench/results/packing/goals/). The smaller of the fast two.
 PACKED_BUDGET_DEFAULT_MAX = 16384
 
 QUANT_FTYPES = {"Q4_K_M": 15, "Q5_K_S": 16, "Q5_K_M": 17, "Q6_K": 18, "Q8_0": 7, "Q4_K_S": 14}
@@ -203,13 +203,14 @@ class TrainingSection(Section):
         "no token attending across samples (position ids restart per sample); the loss is normalised per loss-carrying token "
         "of the optimizer step, as unpacked. off: per_device_train_batch_size samples padded to the longest. auto: on where "
         "measured faster: CPU (bench/results/packing_cpu.json) and CUDA GPUs with torch's varlen flash kernel (torch >= 2.10, "
-        "Ampere or newer; bench/results/packing/: 3.2-3.7x peft + Liger on long-tailed data, less memory); off elsewhere."
+        "Ampere or newer; bench/results/packing/goals/: 3.5-3.6x padded peft + Liger and 2.2x TRL's padding-free packing on a 7B "
+        "QLoRA, at 0.7x TRL's memory); off elsewhere."
     )
     max_tokens_per_batch: int | None = Field(
         None, gt=0, description="Packing: the most tokens in one micro-batch (at least the longest sample). null: "
         "per_device_train_batch_size x data.max_length (the padded run's worst micro-batch, which the preflight fits), "
-        "at most the widest multiple of data.max_length up to 16384 tokens: on R7 QLoRA 16384-token micro-batches trained "
-        "1.09x faster than 24576 and 1.42x faster than 32768 (which switches the tiled MLP on; bench/results/packing/goals_*.json)."
+        "at most the widest multiple of data.max_length up to 16384 tokens: on R7 QLoRA 16384- and 24576-token micro-batches "
+        "trained within noise of each other and ~1.4x faster than 32768, which switches the tiled MLP on (bench/results/packing/goals/)."
     )
     packed_step: Literal["samples", "tokens"] = Field(
         "samples", description="Packed, what one optimizer step trains. samples: what a padded run's step trains, "
@@ -431,7 +432,7 @@ class RunConfig(Section):
         padded = t.per_device_train_batch_size * self.data.max_length
         if budget == padded:
             return f"per_device_train_batch_size x data.max_length ({t.per_device_train_batch_size} x {self.data.max_length})"
-        return (f"the widest multiple of data.max_length up to {PACKED_BUDGET_DEFAULT_MAX} tokens, measured fastest: the padded "
+        return (f"the widest multiple of data.max_length up to {PACKED_BUDGET_DEFAULT_MAX} tokens, among the fastest measured: the padded "
                 f"worst case, {padded}, packs fewer, longer micro-batches" + (", and switches the tiled MLP on"
                                                                              if padded >= TILE_FROM_TOKENS else ""))
 
