@@ -241,7 +241,7 @@ def run_row(mode: str, name: str, work: Path, cpu: bool, deadline: float) -> dic
     cfg = row_config(name, model_dir, train_file, held, row_dir, cpu)
     spec = {"name": name, "shape": shape, "quant": quant, "packing": packing, "max_length": max_length, "micro_batch": mb,
             "r": r, "targets": targets, "held_out": name.startswith("H"), "config_json": json.loads((model_dir / "config.json").read_text())}
-    pre = preflight.run(cfg, row_dir / "preflight")
+    pre = preflight.run(cfg, row_dir / "preflight", train_only=True)  # the train stage only: no export tools here
     est = pre.estimate.total_gib
     spec |= {"estimate_gib": est, "estimate_items": pre.estimate.items_gib, "longest": pre.lengths.max,
              "worst_batch_tokens": pre.lengths.worst_batch_tokens, "packed": pre.lengths.packed, "n_samples": pre.lengths.n_samples,

@@ -148,7 +148,7 @@ def main() -> None:
     fixed, overrides, attempts = cfg, [], []
     for attempt in range(3):  # apply the printed fix until preflight passes
         try:
-            pre = preflight.run(fixed, tmp / f"preflight-{attempt}")
+            pre = preflight.run(fixed, tmp / f"preflight-{attempt}", train_only=True)
             attempts.append({"refused": False, "overrides": list(overrides), "estimate_gib": pre.estimate.total_gib,
                              "probe_gib": pre.probe.peak_reserved_gib if pre.probe else None})
             break

@@ -205,7 +205,7 @@ def probe_then_train(shape: str, qlora: bool, seq: int, micro_batch: int, steps:
     cfg = cfg.model_copy(update={"training": cfg.training.model_copy(update={"max_steps": steps, "logging_steps": 5})})
     memory.free_gpu()
     before = allocated()
-    pre = preflight.run(cfg, root / "preflight")
+    pre = preflight.run(cfg, root / "preflight", train_only=True)
     between = allocated()
     tr = train.run(cfg, root / "train")
     after = allocated()

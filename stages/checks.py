@@ -45,13 +45,15 @@ class ToolError(UserError, RuntimeError):
     """A tool the export needs after training cannot run here."""
 
 
-def before_training(cfg: RunConfig, out_dir: Path) -> None:
-    """Raise a UserError naming the first problem and its fix."""
+def before_training(cfg: RunConfig, out_dir: Path, export: bool = True) -> None:
+    """Raise a UserError naming the first problem and its fix; `export`: also what the export side needs (its
+    tools, its disk)."""
     run_dir = Path(out_dir).parent  # the preflight's directory is <artifacts_dir>/runs/<id>/preflight
-    probes = start_tool_probes()    # child processes: they start while the rest is checked
+    probes = start_tool_probes() if export else []  # child processes: they start while the rest is checked
     try:
         trackers(cfg, run_dir / "train")
-        disk(cfg, run_dir)
+        if export:
+            disk(cfg, run_dir)
         finish_tool_probes(probes)
     finally:
         for _what, _package, proc in probes:

@@ -92,11 +92,14 @@ class PreflightResult:
     steps: dict = field(default_factory=dict)  # samples and tokens per optimizer step, steps per epoch, epochs max_steps covers
 
 
-def run(cfg: RunConfig, out_dir: Path, gpu_memory_gib: float | None = None) -> PreflightResult:
-    """Scan the data, estimate the worst step, probe it on a GPU; raise PreflightError if it does not fit."""
+def run(cfg: RunConfig, out_dir: Path, gpu_memory_gib: float | None = None, *, train_only: bool = False) -> PreflightResult:
+    """Scan the data, estimate the worst step, probe it on a GPU; raise PreflightError if it does not fit.
+
+    train_only: the export side runs elsewhere (or not at all): its tools (llama.cpp, gguf, the converter) and
+    its disk are not checked here."""
     out_dir = Path(out_dir)
     with memory.track("preflight", out_dir) as meter:
-        checks.before_training(cfg, out_dir)  # what the run would otherwise hit after training: trackers, disk, export tools
+        checks.before_training(cfg, out_dir, export=not train_only)  # what the run would otherwise hit after training: trackers, disk, export tools
         model_dir = resolve_model_dir(cfg.model.name_or_path)
         shapes = Shapes.from_config(json.loads((model_dir / "config.json").read_text()), cfg.model.trust_remote_code, str(model_dir))
         targets = shapes.targets(cfg.lora.target_modules)  # names that match no module stop the run here, before any weights load
@@ -429,11 +432,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--gpu-memory-gib", type=float, help="budget of the training card (default: preflight.gpu_memory_gib or the device's)")
     ap.add_argument("--out", type=Path, help="stage directory (default: artifacts/runs/<new id>/preflight)")
+    ap.add_argument("--train-only", action="store_true", help="the export runs elsewhere: skip its tool and disk checks")
     a = ap.parse_args(argv)
     cfg = load_config(a.config, a.set)
     from stages.paths import RunPaths
 
-    run(cfg, a.out or RunPaths.for_run(cfg).stage("preflight"), a.gpu_memory_gib)
+    run(cfg, a.out or RunPaths.for_run(cfg).stage("preflight"), a.gpu_memory_gib, train_only=a.train_only)
 
 
 if __name__ == "__main__":
