@@ -197,7 +197,8 @@ def train_and_export(config: str = "configs/default.yaml", overrides: list[str] 
                              "n_gpu_layers": f.plan.n_gpu_layers,
                              "served": {k: v for k, v in (f.served or {}).items() if k != "examples"} or None} for f in sm.files},
             memory=reports, fidelity=drift, merge={"base": mg.base, "kl": mg.kl},
-            extra={"prefect_flow_run_id": str(flow_run.id) if flow_run.id else None,
+            extra_files=[Path(ex.imatrix["file"])] if ex.imatrix else [],
+            extra={"prefect_flow_run_id": str(flow_run.id) if flow_run.id else None, "imatrix": ex.imatrix and {**ex.imatrix, "file": Path(ex.imatrix["file"]).name},
                    "train": {"steps": tr.steps, "first_loss": tr.first_loss, "final_loss": tr.final_loss, "fit": tr.fit,
                              "best_eval_loss": tr.best_eval_loss}},
         )

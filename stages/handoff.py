@@ -70,6 +70,7 @@ def run(
     fidelity: list | None = None,
     merge: dict | None = None,
     extra: dict | None = None,
+    extra_files: list[Path] = (),
 ) -> HandoffResult:
     """Publish <handoff.dir>/<model_name>/<version>/ atomically and point `latest` at it.
 
@@ -82,6 +83,7 @@ def run(
         fidelity: per-file fidelity.Fidelity figures (dicts), stored in the manifest and model card.
         merge: what the adapter was merged into and the KL of each choice.
         extra: anything else for the manifest (e.g. the Prefect flow-run id).
+        extra_files: other files for the bundle, placed and checksummed as the GGUFs are (the importance matrix).
     """
     root = Path(cfg.handoff.dir) / cfg.handoff.model_name
     final = root / version
@@ -95,9 +97,9 @@ def run(
         try:
             names = []
             placed = {}
-            for _quant, src in gguf_files:
-                dst = tmp / Path(src).name
-                placed[dst.name] = place(Path(src), dst)
+            for src in [Path(p) for _quant, p in gguf_files] + [Path(p) for p in extra_files]:
+                dst = tmp / src.name
+                placed[dst.name] = place(src, dst)
                 names.append(dst.name)
                 errors.inject("handoff-copy", dst)
             sums = {n: sha256_file(tmp / n) for n in names}
@@ -111,7 +113,8 @@ def run(
             (tmp / "comparison.md").write_text(verdict.markdown())
             (tmp / "comparison.json").write_text(json.dumps(verdict.to_json(), indent=2))
             (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2, default=str))
-            text, template = modelcard.modelfile(names[0], names[1:], n_ctx=cfg.smoke.n_ctx, **serving)
+            ggufs = [Path(p).name for _q, p in gguf_files]
+            text, template = modelcard.modelfile(ggufs[0], ggufs[1:], n_ctx=cfg.smoke.n_ctx, **serving)
             (tmp / "Modelfile").write_text(text)
             (tmp / "README.md").write_text(modelcard.readme(json.loads((tmp / "manifest.json").read_text()), template))
             listed = [*names, "manifest.json", "Modelfile", "README.md", "comparison.md", "comparison.json"]

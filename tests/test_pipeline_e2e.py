@@ -91,7 +91,7 @@ def test_bundle_checksums_verify_and_manifest_is_complete(e2e):
     bundle = Path(result["bundle"])
     subprocess.run(["sha256sum", "-c", "SHA256SUMS"], cwd=bundle, check=True, capture_output=True)
     assert sorted(p.name for p in bundle.iterdir()) == ["Modelfile", "README.md", "SHA256SUMS", "comparison.json", "comparison.md",
-                                                        "manifest.json", "model-Q4_K_M.gguf", "model-Q5_K_S.gguf"]
+                                                        "imatrix.gguf", "manifest.json", "model-Q4_K_M.gguf", "model-Q5_K_S.gguf"]
     m = json.loads((bundle / "manifest.json").read_text())
     assert m["prefect_flow_run_id"] == str(flow_run_id)
     assert len(m["data_fingerprint"]) == 64 and len(m["base_model"]["sha256"]) == 64
@@ -101,3 +101,6 @@ def test_bundle_checksums_verify_and_manifest_is_complete(e2e):
     assert {f["quant"] for f in m["fidelity"]} == {"f16", "Q4_K_M", "Q5_K_S"} and all(f["passed"] for f in m["fidelity"])
     assert m["merge"]["base"] == "16bit" and m["stop_tokens"] == ["</s>"] and m["train"]["fit"]["checkpointed_layers"] == 2
     assert (bundle.parent / "latest").resolve() == bundle.resolve()
+    # export.imatrix: auto (the default): both files measured per type, the kept one named in the manifest and the card
+    assert m["imatrix"]["file"] == "imatrix.gguf" and set(m["imatrix"]["choices"]) == {"Q4_K_M", "Q5_K_S"}
+    assert "## Importance matrix" in (bundle / "README.md").read_text()

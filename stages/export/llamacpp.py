@@ -59,13 +59,20 @@ def converter_dir() -> Path:
     return d
 
 
-def quantize(src: Path, dst: Path, ftype: int, nthread: int = 0) -> str:
-    """llama.cpp's own quantizer, in-process (llama_model_quantize); returns its log (a line per tensor)."""
+def quantize(src: Path, dst: Path, ftype: int, nthread: int = 0, imatrix: dict | None = None) -> str:
+    """llama.cpp's own quantizer, in-process (llama_model_quantize); returns its log (a line per tensor).
+
+    imatrix: GGUF tensor name -> mean x^2 per input column (stages/export/imatrix.py), as `llama-quantize --imatrix` passes it."""
     import llama_cpp
 
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = ftype
     params.nthread = nthread or (os.cpu_count() or 1)
+    if imatrix:
+        from stages.export.imatrix import quantize_entries
+
+        entries, _buffers = quantize_entries(imatrix)  # _buffers: alive until the call returns
+        params.imatrix = ctypes.cast(entries, type(params.imatrix))
     with captured_log() as log:
         rc = llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params))
     if rc != 0 or not dst.is_file():

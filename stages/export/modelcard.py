@@ -145,6 +145,24 @@ def modelfile(gguf_name: str, others: list[str], template: str, bos_token: str, 
     return "\n".join(lines) + "\n", tt
 
 
+def imatrix_lines(info: dict | None) -> list[str]:
+    """What the importance matrix was made from and, per type, both files' figures and which was kept."""
+    if not info:
+        return []
+    rows = ["", "## Importance matrix", "",
+            f"`imatrix.gguf` (in this bundle; `llama-quantize --imatrix imatrix.gguf` reads it): the merged model's input "
+            f"activations on {info['dataset']}, {info['chunks']} chunks, {info['tensors']} tensors; never the held-out texts "
+            "the figures below are measured on. Each type was quantized with and without it and the file with the lower "
+            "mean KL was kept:", "",
+            "| type | kept | mean KL plain | mean KL imatrix | top-1 plain | top-1 imatrix | size MiB plain / imatrix |",
+            "|---|---|---|---|---|---|---|"]
+    for quant, c in info.get("choices", {}).items():
+        p, i = c["plain"], c["imatrix"]
+        rows.append(f"| {quant} | {c['kept']} | {p['mean_kl']} | {i['mean_kl']} | {p['top1_agreement']} | {i['top1_agreement']} | "
+                    f"{p['size_mib']:.1f} / {i['size_mib']:.1f} |")
+    return rows
+
+
 def readme(manifest: dict, modelfile_template: TurnTemplate | None) -> str:
     """The model card: what this is, how it was made and checked, how to run it."""
     files = manifest["files"]
@@ -179,6 +197,7 @@ def readme(manifest: dict, modelfile_template: TurnTemplate | None) -> str:
         "",
         "Verify: `sha256sum -c SHA256SUMS`. KL and top-1 compare each file's next-token distribution with the merged "
         "16-bit model on held-out texts (llama.cpp on Llama-3-8B, for scale: Q4_K_M KL 0.031, top-1 91.9%).",
+        *imatrix_lines(manifest.get("imatrix")),
         *([] if not any(f.get("n_fallback") for f in files) else [
             "",
             "Fallback tensors: K-quants pack 256 values per block, so llama.cpp quantizes a matrix whose rows are not a "

@@ -24,6 +24,7 @@ import argparse
 import contextlib
 import errno
 import json
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,10 +32,16 @@ from pathlib import Path
 from stages import data, errors, memory
 from stages.config import QUANT_FTYPES, RunConfig, load_config
 from stages.errors import MissingInput
-from stages.export import convert, fidelity, llamacpp, quant_types
+from stages.export import convert, fidelity, imatrix, llamacpp, quant_types
 from stages.export.llamacpp_process import LlamaProcess
 from stages.memory import MemoryReport
 from stages.modelio import load_tokenizer
+
+
+IMATRIX_FILE = "imatrix.gguf"
+# Types whose quantization reads an importance matrix and whose type rule does not depend on having one
+# (Q8_0 ignores it; Q4_0/Q5_0 would change the first ffn_down layers' types).
+IMATRIX_QUANTS = {"Q4_K_M", "Q4_K_S", "Q5_K_S", "Q5_K_M", "Q6_K"}
 
 
 @dataclass
@@ -46,6 +53,7 @@ class GgufFile:
     tensor_types: dict[str, int]   # type -> number of tensors
     n_fallback: int = 0            # tensors in llama.cpp's fallback type: their rows are not a multiple of the K-type's 256
     fallbacks: dict[str, int] = field(default_factory=dict)  # "Q4_K->Q5_0" -> tensors
+    imatrix: bool = False          # quantized with the run's importance matrix (export.imatrix)
 
 
 @dataclass
@@ -58,6 +66,7 @@ class ExportResult:
     checks: dict = field(default_factory=dict)
     fidelity: list = field(default_factory=list)  # fidelity.Fidelity per file, the unquantized one first
     seconds: dict = field(default_factory=dict)   # wall time of each step: convert, checks, each quant, fidelity
+    imatrix: dict | None = None                   # export.imatrix: the file, what it was computed on, per type what was kept
 
 
 def run(cfg: RunConfig, merged_dir: Path, out_dir: Path) -> ExportResult:
@@ -95,28 +104,27 @@ def run(cfg: RunConfig, merged_dir: Path, out_dir: Path) -> ExportResult:
             checks["pre_tokenizer"] = {"name": converted.pre_tokenizer, "from": "tokenizer.json", "probe_text_compared": True}
         checks["tokenization"] = check_tokenization(base, tokenizer, texts)
         lap("tokenizer_checks")
-        files = []
+        imat = importance_matrix(cfg, tokenizer, merged_dir, base, out_dir)
+        if imat is not None:
+            lap("imatrix")
+        made: list[tuple[GgufFile, str]] = []  # every quantized file and its variant (plain, imatrix)
         for quant in cfg.export.quant_types:
-            path = out_dir / f"model-{quant}.gguf"
-            tmp = path.with_suffix(".gguf.partial")
-            errors.inject("export-quantize", tmp)
-            log = path.with_suffix(".quantize.log")
-            log.write_text(llamacpp.quantize(base, tmp, QUANT_FTYPES[quant]))
-            if llamacpp.EXPORT_VERBOSE:
-                print(log.read_text())
-            info = llamacpp.read_gguf(tmp)
-            fallbacks = check_quant_types(info, quant, tmp)
-            checks[quant] = check_tokenizer(info, tokenizer, rows)
-            tmp.rename(path)
-            files.append(GgufFile(quant, path, QUANT_FTYPES[quant], round(path.stat().st_size / 2**20, 3), llamacpp.type_counts(info),
-                                  sum(fallbacks.values()), fallbacks))
-            print(quant_summary(files[-1], log))
+            for variant in ("plain", "imatrix") if imat is not None and quant in IMATRIX_QUANTS else ("plain",):
+                made.append((quantize_one(quant, variant, base, out_dir, tokenizer, rows, checks,
+                                          imat.means() if variant == "imatrix" else None), variant))
             lap(f"quantize_{quant}")
-        drift = check_fidelity(cfg, tokenizer, merged_dir, [(cfg.export.outtype, base)] + [(f.quant, f.path) for f in files])
+        measured = check_fidelity(cfg, tokenizer, merged_dir, [(cfg.export.outtype, base)] + [(f.quant, f.path) for f, _v in made],
+                                  gate=False)
+        files, drift, choices = keep_better(made, measured[0], measured[1:])
+        fidelity.gate(drift)
         lap("fidelity")
         meter.extra["fidelity"] = [memory.jsonable(f) for f in drift]
         meter.extra["seconds"] = seconds
-    result = ExportResult(base, files, llamacpp.runtime_version(), meter.report, checks=checks, fidelity=drift, seconds=seconds)
+    imatrix_info = None if imat is None else {
+        "file": str(out_dir / IMATRIX_FILE), "tokens": imat.tokens, "chunks": imat.chunks, "dataset": imat.dataset,
+        "tensors": len(imat.sums), "not_covered": imat.skipped, "seconds": imat.seconds, "choices": choices}
+    result = ExportResult(base, files, llamacpp.runtime_version(), meter.report, checks=checks, fidelity=drift, seconds=seconds,
+                          imatrix=imatrix_info)
     done.write_text(json.dumps(memory.jsonable(result), indent=2))
     return result
 
@@ -135,16 +143,95 @@ def _no_partial_files(out_dir: Path):
         raise
 
 
-def check_fidelity(cfg: RunConfig, tokenizer, merged_dir: Path, ggufs: list[tuple[str, Path]]) -> list[fidelity.Fidelity]:
-    """Every GGUF against the merged model on held-out texts; FidelityError on a breach."""
+def check_fidelity(cfg: RunConfig, tokenizer, merged_dir: Path, ggufs: list[tuple[str, Path]], gate: bool = True) -> list[fidelity.Fidelity]:
+    """Every GGUF against the merged model on held-out texts; FidelityError on a breach (`gate`)."""
     sequences = fidelity.held_out_ids(cfg, tokenizer, cfg.export.fidelity.samples)
     ref = fidelity.reference(merged_dir, sequences)
     results = [fidelity.measure(q, p, sequences, ref, cfg.export.fidelity) for q, p in ggufs]
     for r in results:
         print(f"export: fidelity {r.file}: mean KL {r.mean_kl:.5f}, top-1 {r.top1_agreement:.1%} over {r.positions} positions"
               f"{'' if r.passed else '  FAILED'}")
-    fidelity.gate(results)
+    if gate:
+        fidelity.gate(results)
     return results
+
+
+def importance_matrix(cfg: RunConfig, tokenizer, merged_dir: Path, base: Path, out_dir: Path) -> imatrix.Imatrix | None:
+    """export.imatrix: the importance matrix (computed on the merged model from the training data, or read from the
+    given file), written to <out_dir>/imatrix.gguf; None when off."""
+    if cfg.export.imatrix == "off":
+        return None
+    tmp = out_dir / f"{IMATRIX_FILE}.partial"
+    if cfg.export.imatrix != "auto":
+        imat = imatrix.load(Path(cfg.export.imatrix))
+        shutil.copyfile(cfg.export.imatrix, tmp)  # handed on as given
+    else:
+        from transformers import AutoModelForCausalLM
+
+        from stages.modelio import compute_dtype, device
+
+        model = AutoModelForCausalLM.from_pretrained(merged_dir, dtype=compute_dtype("auto"), device_map={"": str(device())},
+                                                     use_safetensors=True)
+        try:
+            imat = imatrix.from_run(cfg, tokenizer, model, llamacpp.read_gguf(base))
+        finally:
+            del model
+            memory.free_gpu()
+        imat.write(tmp)
+    tmp.rename(out_dir / IMATRIX_FILE)
+    print(f"export: importance matrix of {len(imat.sums)} tensors from {imat.dataset} in {imat.seconds:.1f} s -> {IMATRIX_FILE}"
+          + (f" ({len(imat.skipped)} linear layers have no GGUF tensor of their width: {', '.join(imat.skipped[:4])})" if imat.skipped else ""))
+    return imat
+
+
+def quantize_one(quant: str, variant: str, base: Path, out_dir: Path, tokenizer, rows: int | None, checks: dict,
+                 means: dict | None) -> GgufFile:
+    """One quantized file, checked (types, tokenizer) before it gets its name."""
+    path = out_dir / (f"model-{quant}.gguf" if variant == "plain" else f"model-{quant}.imatrix.gguf")
+    tmp = path.with_suffix(".gguf.partial")
+    errors.inject("export-quantize", tmp)
+    log = path.with_suffix(".quantize.log")
+    log.write_text(llamacpp.quantize(base, tmp, QUANT_FTYPES[quant], imatrix=means))
+    if llamacpp.EXPORT_VERBOSE:
+        print(log.read_text())
+    info = llamacpp.read_gguf(tmp)
+    fallbacks = check_quant_types(info, quant, tmp)
+    checks[quant if variant == "plain" else f"{quant}-imatrix"] = check_tokenizer(info, tokenizer, rows)
+    tmp.rename(path)
+    f = GgufFile(quant, path, QUANT_FTYPES[quant], round(path.stat().st_size / 2**20, 3), llamacpp.type_counts(info),
+                 sum(fallbacks.values()), fallbacks, imatrix=variant == "imatrix")
+    print(quant_summary(f, log))
+    return f
+
+
+def keep_better(made: list[tuple[GgufFile, str]], base_fid: fidelity.Fidelity, measured: list[fidelity.Fidelity]):
+    """Per type, the file with the lower mean KL to the merged model (plain on a tie); the other is deleted and the kept
+    one is named model-<type>.gguf. Returns (files, fidelity of the base and the kept files, per-type figures)."""
+    files, drift, choices = [], [base_fid], {}
+    by_quant: dict[str, list[tuple[GgufFile, fidelity.Fidelity]]] = {}
+    for (f, _variant), fid in zip(made, measured, strict=True):
+        by_quant.setdefault(f.quant, []).append((f, fid))
+    for quant, pair in by_quant.items():
+        kept, kept_fid = min(pair, key=lambda x: (x[1].mean_kl, x[0].imatrix))
+        if len(pair) > 1:
+            choices[quant] = {"kept": "imatrix" if kept.imatrix else "plain",
+                              **{("imatrix" if f.imatrix else "plain"): {"mean_kl": fid.mean_kl, "p99_kl": fid.p99_kl,
+                                                                          "top1_agreement": fid.top1_agreement, "size_mib": f.size_mib}
+                                 for f, fid in pair}}
+            print(f"export: {quant}: kept the {choices[quant]['kept']} file (mean KL plain {choices[quant]['plain']['mean_kl']:.5f}, "
+                  f"imatrix {choices[quant]['imatrix']['mean_kl']:.5f})")
+        for f, _fid in pair:
+            if f is not kept:
+                f.path.unlink()
+        final = f.path.parent / f"model-{quant}.gguf"
+        if kept.path != final:
+            kept.path.rename(final)
+            kept.path.with_suffix(".quantize.log").rename(final.with_suffix(".quantize.log"))
+            kept.path = final
+            kept_fid.file = final.name
+        files.append(kept)
+        drift.append(kept_fid)
+    return files, drift, choices
 
 
 def check_quant_types(info: dict, quant: str, path: Path) -> dict[str, int]:
@@ -230,7 +317,8 @@ def _load(path: Path) -> ExportResult:
     d = json.loads(path.read_text())
     files = [GgufFile(**(f | {"path": Path(f["path"])})) for f in d["files"]]
     return ExportResult(Path(d["base_gguf"]), files, d["llama_cpp_version"], None, skipped=True, checks=d.get("checks", {}),
-                        fidelity=[fidelity.Fidelity(**x) for x in d.get("fidelity", [])], seconds=d.get("seconds", {}))
+                        fidelity=[fidelity.Fidelity(**x) for x in d.get("fidelity", [])], seconds=d.get("seconds", {}),
+                        imatrix=d.get("imatrix"))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,0 +1,204 @@
+"""An importance matrix from the run's own training data, in the form llama.cpp's quantizer reads.
+
+llama.cpp's quantizer weighs each column of a weight by how large that column's input activations are (the
+mean of x^2 over calibration tokens, per input feature): with it, the rounding error lands where the model
+looks least. `llama-imatrix` computes it by running a GGUF over a text file; here the merged HF model (the
+one the GGUF is converted from) runs over the training samples in the chat template, in torch, with a forward
+hook on every linear layer. The numbers are the same statistic llama-imatrix collects (sum of x^2 and the token
+count per weight); the held-out texts the fidelity gate measures on are never among them.
+
+Written as llama.cpp's GGUF imatrix file (`imatrix.gguf`: `<tensor>.in_sum2`, `<tensor>.counts`,
+`imatrix.datasets`, `imatrix.chunk_count`, `imatrix.chunk_size`), which `llama-quantize --imatrix` reads too,
+and handed to `llama_model_quantize` as its `llama_model_imatrix_data` entries (sum / count).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from stages import data
+from stages.errors import UserError
+
+CHUNK = 512  # tokens per calibration chunk, as llama-imatrix's default context
+
+
+class ImatrixError(UserError, ValueError):
+    pass
+
+
+@dataclass
+class Imatrix:
+    sums: dict[str, np.ndarray]        # GGUF tensor name -> sum of x^2 per input column (float32)
+    counts: dict[str, int]             # GGUF tensor name -> tokens seen
+    tokens: int                        # calibration tokens
+    chunks: int
+    dataset: str                       # where the calibration text came from
+    seconds: float = 0.0
+    skipped: list[str] = field(default_factory=list)  # linear layers with no tensor of that width in the GGUF
+
+    def means(self) -> dict[str, np.ndarray]:
+        return {n: (s / max(self.counts[n], 1)).astype(np.float32) for n, s in self.sums.items()}
+
+    def write(self, path: Path) -> Path:
+        """llama.cpp's GGUF imatrix file (what llama-imatrix writes and llama-quantize --imatrix reads)."""
+        import gguf
+
+        w = gguf.GGUFWriter(str(path), arch="imatrix")
+        w.add_type(gguf.GGUFType.IMATRIX)
+        w.add_array(gguf.Keys.IMatrix.DATASETS, [self.dataset])
+        w.add_uint32(gguf.Keys.IMatrix.CHUNK_COUNT, self.chunks)
+        w.add_uint32(gguf.Keys.IMatrix.CHUNK_SIZE, CHUNK)
+        for name in sorted(self.sums):
+            w.add_tensor(f"{name}.in_sum2", self.sums[name].astype(np.float32).reshape(1, -1))
+            w.add_tensor(f"{name}.counts", np.array([[float(self.counts[name])]], dtype=np.float32))
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        return path
+
+
+def load(path: Path) -> Imatrix:
+    """An imatrix.gguf (this module's or llama-imatrix's): one matrix per weight (no experts)."""
+    import gguf
+
+    path = Path(path)
+    if not path.is_file():
+        raise ImatrixError(f"export.imatrix names {path}, which is not a file; give an imatrix.gguf (llama-imatrix's or a run's "
+                           "bundle's), `auto` to compute one from the training data, or `off`")
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except (ValueError, OSError, IndexError) as e:
+        raise ImatrixError(f"{path} is not a GGUF file ({e}); give an imatrix.gguf (the legacy .dat format is not read: convert it "
+                           "with llama.cpp's convert_legacy_imatrix_to_gguf.py), `auto` or `off`") from None
+    tensors = {t.name: np.asarray(t.data, dtype=np.float32).reshape(-1) for t in reader.tensors}
+    sums = {n[:-len(".in_sum2")]: v for n, v in tensors.items() if n.endswith(".in_sum2")}
+    counts = {n: int(tensors[f"{n}.counts"][0]) for n in sums if f"{n}.counts" in tensors}
+    if not sums or len(counts) != len(sums):
+        raise ImatrixError(f"{path} holds no `<tensor>.in_sum2` / `<tensor>.counts` pairs: not an importance matrix")
+    chunks, datasets = reader.fields.get("imatrix.chunk_count"), reader.fields.get("imatrix.datasets")
+    return Imatrix(sums, counts, max(counts.values()), int(chunks.contents()) if chunks is not None else 0,
+                   f"{path.name} ({', '.join(datasets.contents()) if datasets is not None else 'datasets not named'})")
+
+
+def calibration_ids(cfg, tokenizer, max_tokens: int) -> tuple[list[list[int]], str]:
+    """Training samples as training tokenized them (chat template, data.max_length, truncated), in a seeded order,
+    until `max_tokens`; never a sample the fidelity gate measures on."""
+    samples = data.train_samples(cfg)
+    if not data.eval_samples(cfg):  # then the fidelity gate measures on the first training samples: leave them out
+        samples = samples[cfg.export.fidelity.samples:]
+    if not samples:
+        raise ImatrixError("export.imatrix: auto needs training samples that the fidelity gate does not measure on, and there are "
+                           "none left; add training data, give an imatrix file, or set export.imatrix: off")
+    order = list(range(len(samples)))
+    random.Random(f"imatrix/{cfg.training.seed}").shuffle(order)
+    ids: list[list[int]] = []
+    total = 0
+    for start in range(0, len(order), 64):  # tokenized a few at a time: a large dataset is not tokenized whole for this
+        for row in data.tokenize([samples[i] for i in order[start:start + 64]], tokenizer, cfg.data.max_length, "truncate").input_ids:
+            ids.append(row)
+            total += len(row)
+            if total >= max_tokens:
+                return ids, _described(cfg, ids, total)
+    return ids, _described(cfg, ids, total)
+
+
+def _described(cfg, ids: list[list[int]], total: int) -> str:
+    files = [cfg.data.train_file] if cfg.data.train_file else [s.path for s in cfg.data.sources]
+    return f"{len(ids)} training samples ({total} tokens) of {', '.join(Path(str(f)).name for f in files if f)}"
+
+
+def compute(model, sequences: list[list[int]], names: dict[str, str], dataset: str) -> Imatrix:
+    """Run `model` over `sequences` with a hook on each linear layer named in `names` (module -> GGUF tensor name)."""
+    t0 = time.perf_counter()
+    sums: dict[str, torch.Tensor] = {}
+    counts: dict[str, int] = {}
+    handles = []
+
+    def hook(gname: str):
+        def collect(module, args):
+            x = args[0].detach()
+            x = x.reshape(-1, x.shape[-1]).float()
+            s = (x * x).sum(0).double()
+            sums[gname] = sums[gname] + s if gname in sums else s
+            counts[gname] = counts.get(gname, 0) + x.shape[0]
+        return collect
+
+    modules = dict(model.named_modules())
+    for mod_name, gname in names.items():
+        handles.append(modules[mod_name].register_forward_pre_hook(hook(gname)))
+    model.eval()
+    tokens = chunks = 0
+    try:
+        with torch.no_grad():
+            for ids in sequences:
+                for start in range(0, len(ids), CHUNK):
+                    piece = ids[start:start + CHUNK]
+                    model(input_ids=torch.tensor([piece], device=model.device))
+                    tokens += len(piece)
+                    chunks += 1
+    finally:
+        for h in handles:
+            h.remove()
+    return Imatrix({n: s.cpu().numpy().astype(np.float32) for n, s in sums.items()}, counts, tokens, chunks, dataset,
+                   round(time.perf_counter() - t0, 2))
+
+
+def gguf_names(model, base_info: dict) -> tuple[dict[str, str], list[str]]:
+    """Each linear layer of the HF model -> the GGUF tensor llama.cpp quantizes from it, by the converter's own
+    name map (gguf-py's TensorNameMap); layers whose tensor is not in the GGUF, or has another input width, are
+    returned apart (a tied lm_head, fused or split projections the map does not name)."""
+    import gguf
+
+    arch_name = base_info["fields"]["general.architecture"]
+    arch = next((a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch_name), None)
+    blocks = int(base_info["fields"].get(f"{arch_name}.block_count", 0))
+    shapes = base_info.get("tensor_shapes", {})
+    if arch is None:
+        return {}, [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    tmap = gguf.get_tensor_name_map(arch, blocks)
+    names, skipped = {}, []
+    for mod_name, m in model.named_modules():
+        if not isinstance(m, torch.nn.Linear):
+            continue
+        gname = tmap.get_name(f"{mod_name}.weight", try_suffixes=(".weight",))
+        gname = f"{gname}.weight" if gname and not gname.endswith(".weight") else gname
+        if gname in shapes and int(shapes[gname][0]) == m.in_features:
+            names[mod_name] = gname
+        else:
+            skipped.append(mod_name)
+    return names, skipped
+
+
+def from_run(cfg, tokenizer, model, base_info: dict) -> Imatrix:
+    """The importance matrix of `model` (the merged model the GGUF was converted from) on the run's training data."""
+    names, skipped = gguf_names(model, base_info)
+    if not names:
+        raise ImatrixError(f"no linear layer of the merged model maps onto a tensor of the GGUF (architecture "
+                           f"{base_info['fields'].get('general.architecture')}); set export.imatrix: off")
+    sequences, dataset = calibration_ids(cfg, tokenizer, cfg.export.imatrix_tokens)
+    imat = compute(model, sequences, names, dataset)
+    imat.skipped = skipped
+    return imat
+
+
+def quantize_entries(means: dict[str, np.ndarray]):
+    """`means` as the NULL-terminated llama_model_imatrix_data array llama_model_quantize reads; keep the returned
+    tuple alive while it quantizes (it owns the buffers the pointers point into)."""
+    import llama_cpp
+
+    keep = [(n.encode(), np.ascontiguousarray(v, dtype=np.float32)) for n, v in means.items()]
+    arr = (llama_cpp.llama_model_imatrix_data * (len(keep) + 1))()
+    for i, (name, values) in enumerate(keep):
+        arr[i].name = name
+        arr[i].data = values.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+        arr[i].size = values.size
+    arr[len(keep)].name = None
+    return arr, keep
