@@ -352,7 +352,7 @@ class ExportSection(Section):
         "f16", description="Precision of the unquantised GGUF the quantised files are made from."
     )
     quant_types: list[str] = Field(["Q4_K_M", "Q5_K_S"], min_length=1, description=f"Any of {sorted(QUANT_FTYPES)}.")
-    imatrix: str = Field(
+    imatrix: Annotated[str, BeforeValidator(lambda v: {False: "off", True: "auto"}.get(v, v) if isinstance(v, bool) else v)] = Field(
         "auto", description="Importance-matrix quantization. auto: computed from the run's own training samples (chat template, "
         "never the held-out texts) on the merged model, each type quantized with and without it, and the fidelity gate keeps the "
         "file with the lower mean KL to the merged model; the bundle holds imatrix.gguf and the model card both figures. A path: "

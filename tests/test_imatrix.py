@@ -109,3 +109,10 @@ def test_the_bundle_holds_the_imatrix_checksummed_and_the_card_both_figures(auto
     q4 = ex.imatrix["choices"]["Q4_K_M"]
     assert f"| Q4_K_M | {q4['kept']} | {q4['plain']['mean_kl']} | {q4['imatrix']['mean_kl']} |" in card
     assert "imatrix.gguf" not in (b.bundle_dir / "Modelfile").read_text()  # the Modelfile names GGUF models only
+
+
+def test_yaml_off_is_off(tmp_path):
+    path = write_config(tmp_path)
+    path.write_text(path.read_text().replace("export:\n", "export:\n  imatrix: off\n", 1))
+    assert load_config(path).export.imatrix == "off"
+    assert load_config(write_config(tmp_path)).export.imatrix == "auto"
