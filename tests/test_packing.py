@@ -138,11 +138,14 @@ def test_tiled_mlp_auto_follows_the_widest_micro_batch_the_data_can_make(tmp_pat
     on = lambda c, longest: kernels.resolve_auto(c, on_gpu=True, longest=longest)["tiled_mlp"]  # noqa: E731
     assert not on(cfg, 4117) and on(cfg, 8192)
     packed = cfg.model_copy(update={"training": cfg.training.model_copy(update={"packing": "on"})})
+    # the default packed budget stays under the switch (16,384 here): no data turns the tiled MLP on
+    assert packed.token_budget() == 16384 and not on(packed, 100) and not on(packed, 8192)
+    wide = packed.model_copy(update={"training": packed.training.model_copy(update={"max_tokens_per_batch": 32768})})
     # packed by samples: a micro-batch holds at most a step's 4 samples, so short data never reaches 32,768 tokens
-    assert not on(packed, 100) and on(packed, 8192)
-    by_tokens = packed.model_copy(update={"training": packed.training.model_copy(update={"packed_step": "tokens"})})
+    assert not on(wide, 100) and on(wide, 8192)
+    by_tokens = wide.model_copy(update={"training": wide.training.model_copy(update={"packed_step": "tokens"})})
     assert on(by_tokens, 100)  # packed by tokens: every micro-batch fills the 32,768-token budget
-    small = packed.model_copy(update={"training": packed.training.model_copy(update={"max_tokens_per_batch": 16384})})
+    small = wide.model_copy(update={"training": wide.training.model_copy(update={"max_tokens_per_batch": 16384})})
     assert not on(small, 4117)
 
 
