@@ -49,6 +49,8 @@ class Server:
         self.url = f"http://127.0.0.1:{port}/api"
         self.env = os.environ | {"PREFECT_HOME": str(tmp / "prefect"), "PREFECT_API_URL": self.url, "PREFECT_SERVER_UI_ENABLED": "false",
                                  "PREFECT_LOGGING_LEVEL": "INFO", "TAE_GPU_SLOTS": "1",
+                                 # the runner asks for scheduled runs every 2 s, not 10: each run here started idle 5 s on average
+                                 "PREFECT_RUNNER_POLL_FREQUENCY": "2",
                                  "TAE_GPU_IDS": "GPU-test0"}  # a GPU to guard: CI has none, and a GPU-less machine locks nothing
         self.log = (tmp / "server.log").open("w")
         self.server = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
