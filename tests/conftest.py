@@ -111,7 +111,7 @@ def pytest_collection_modifyitems(config, items):
         groups = sorted({g for f, g in SHARED_RUNS.items() if f in getattr(item, "fixturenames", ())})
         if groups:
             item.add_marker(pytest.mark.xdist_group("+".join(groups)))
-    if not config.getvalue("loadgroup"):  # set on xdist workers under --dist loadgroup
+    if not getattr(config.option, "loadgroup", False):  # set on xdist workers under --dist loadgroup (absent without xdist)
         return
     # --dist loadgroup schedules by the "<nodeid>@<group>" a worker reports. pytest-xdist 3.8 appends the group by
     # setting item._nodeid, which pytest 9 no longer reads (the nodeid is item._id, a NodeId): without this, every
