@@ -107,13 +107,13 @@ def run(cfg: RunConfig, merged_dir: Path, out_dir: Path) -> ExportResult:
         imat = importance_matrix(cfg, tokenizer, merged_dir, base, out_dir)
         if imat is not None:
             lap("imatrix")
-        made: list[tuple[GgufFile, str]] = []  # every quantized file and its variant (plain, imatrix)
+        means = imat.means() if imat is not None else None
+        made: list[GgufFile] = []  # every quantized file: plain, and with the imatrix where the type reads one
         for quant in cfg.export.quant_types:
-            for variant in ("plain", "imatrix") if imat is not None and quant in IMATRIX_QUANTS else ("plain",):
-                made.append((quantize_one(quant, variant, base, out_dir, tokenizer, rows, checks,
-                                          imat.means() if variant == "imatrix" else None), variant))
+            for with_imatrix in (None, means) if means is not None and quant in IMATRIX_QUANTS else (None,):
+                made.append(quantize_one(quant, base, out_dir, tokenizer, rows, checks, with_imatrix))
             lap(f"quantize_{quant}")
-        measured = check_fidelity(cfg, tokenizer, merged_dir, [(cfg.export.outtype, base)] + [(f.quant, f.path) for f, _v in made],
+        measured = check_fidelity(cfg, tokenizer, merged_dir, [(cfg.export.outtype, base)] + [(f.quant, f.path) for f in made],
                                   gate=False)
         files, drift, choices = keep_better(made, measured[0], measured[1:])
         fidelity.gate(drift)
@@ -184,10 +184,10 @@ def importance_matrix(cfg: RunConfig, tokenizer, merged_dir: Path, base: Path, o
     return imat
 
 
-def quantize_one(quant: str, variant: str, base: Path, out_dir: Path, tokenizer, rows: int | None, checks: dict,
+def quantize_one(quant: str, base: Path, out_dir: Path, tokenizer, rows: int | None, checks: dict,
                  means: dict | None) -> GgufFile:
-    """One quantized file, checked (types, tokenizer) before it gets its name."""
-    path = out_dir / (f"model-{quant}.gguf" if variant == "plain" else f"model-{quant}.imatrix.gguf")
+    """One quantized file (with the importance matrix `means`, if given), checked (types, tokenizer) before it gets its name."""
+    path = out_dir / (f"model-{quant}.gguf" if means is None else f"model-{quant}.imatrix.gguf")
     tmp = path.with_suffix(".gguf.partial")
     errors.inject("export-quantize", tmp)
     log = path.with_suffix(".quantize.log")
@@ -196,20 +196,20 @@ def quantize_one(quant: str, variant: str, base: Path, out_dir: Path, tokenizer,
         print(log.read_text())
     info = llamacpp.read_gguf(tmp)
     fallbacks = check_quant_types(info, quant, tmp)
-    checks[quant if variant == "plain" else f"{quant}-imatrix"] = check_tokenizer(info, tokenizer, rows)
+    checks[quant if means is None else f"{quant}-imatrix"] = check_tokenizer(info, tokenizer, rows)
     tmp.rename(path)
     f = GgufFile(quant, path, QUANT_FTYPES[quant], round(path.stat().st_size / 2**20, 3), llamacpp.type_counts(info),
-                 sum(fallbacks.values()), fallbacks, imatrix=variant == "imatrix")
+                 sum(fallbacks.values()), fallbacks, imatrix=means is not None)
     print(quant_summary(f, log))
     return f
 
 
-def keep_better(made: list[tuple[GgufFile, str]], base_fid: fidelity.Fidelity, measured: list[fidelity.Fidelity]):
+def keep_better(made: list[GgufFile], base_fid: fidelity.Fidelity, measured: list[fidelity.Fidelity]):
     """Per type, the file with the lower mean KL to the merged model (plain on a tie); the other is deleted and the kept
     one is named model-<type>.gguf. Returns (files, fidelity of the base and the kept files, per-type figures)."""
     files, drift, choices = [], [base_fid], {}
     by_quant: dict[str, list[tuple[GgufFile, fidelity.Fidelity]]] = {}
-    for (f, _variant), fid in zip(made, measured, strict=True):
+    for f, fid in zip(made, measured, strict=True):
         by_quant.setdefault(f.quant, []).append((f, fid))
     for quant, pair in by_quant.items():
         kept, kept_fid = min(pair, key=lambda x: (x[1].mean_kl, x[0].imatrix))
