@@ -77,6 +77,18 @@ NEW_SHAPES = {
     "qwen2.5-3b": dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], hidden_size=2048, intermediate_size=11008,
                        num_hidden_layers=36, num_attention_heads=16, num_key_value_heads=2, vocab_size=151936,
                        max_position_embeddings=32768, rope_theta=1e6, tie_word_embeddings=True),
+    # Qwen3-0.6B: q/k norms, tied 152k, 2:1 GQA, width 1024 (fit rows F13, F15)
+    "qwen3-0.6b": dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], hidden_size=1024, intermediate_size=3072,
+                       num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                       max_position_embeddings=40960, rope_theta=1e6, tie_word_embeddings=True),
+    # TinyLlama-1.1B: untied 32k, 8:1 GQA (fit rows F14, F16)
+    "tinyllama-1.1b": dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=2048, intermediate_size=5632,
+                           num_hidden_layers=22, num_attention_heads=32, num_key_value_heads=4, vocab_size=32000,
+                           max_position_embeddings=4096, rope_theta=10000.0, tie_word_embeddings=False),
+    # SmolLM2-135M: tied 49k, 3:1 GQA, width 576, 30 layers (fit rows F17, F18)
+    "smollm2-135m": dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=576, intermediate_size=1536,
+                         num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, vocab_size=49152,
+                         max_position_embeddings=8192, rope_theta=100000.0, tie_word_embeddings=True),
     # CPU dry runs
     "tiny-qk": dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], hidden_size=64, intermediate_size=160, num_hidden_layers=2,
                     num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=1000, tie_word_embeddings=True),
@@ -99,6 +111,14 @@ ROWS = {
     "F10": ("olmo2-1b", "nf4", "on", 4096, 2, 64, QVO),
     "F11": ("qwen2.5-3b", "nf4", "off", 2048, 4, 64, QVO),
     "F12": ("llama-3b", "nf4", "on", 4096, 4, 16, "all-linear"),
+    # fitted in a second round (need_run3): small models, where the allocator's slack is a large share
+    "F13": ("qwen3-0.6b", "nf4", "off", 4096, 4, 64, QVO),
+    "F14": ("tinyllama-1.1b", "nf4", "off", 2048, 8, 64, QVO),
+    "F15": ("qwen3-0.6b", "bf16", "on", 4096, 4, 16, "all-linear"),
+    "F16": ("tinyllama-1.1b", "bf16", "on", 4096, 4, 64, QVO),
+    "F17": ("smollm2-135m", "nf4", "on", 2048, 4, 64, QVO),
+    "F18": ("smollm2-135m", "bf16", "off", 4096, 2, 64, QVO),
+    "F19": ("qwen2.5-1.5b", "nf4", "off", 4096, 4, 32, "all-linear"),
     "H1": ("qwen3-4b", "nf4", "off", 2048, 4, 64, QVO),
     "H2": ("qwen3-4b", "bf16", "on", 4096, 2, 64, QVO),
     "H3": ("phi4-mini", "nf4", "on", 4096, 2, 64, QVO),
@@ -311,6 +331,8 @@ def main() -> None:
         s = time.perf_counter()
         make_checkpoint(shape, a.work / "models", shapes())
         made[shape] = round(time.perf_counter() - s, 1)
+    for n in rows:  # the data too: rows of one length and micro-batch share a file, written before any reads it
+        make_data(a.work, ROWS[n][3], ROWS[n][4], ROWS[n][2] == "on")
     print(f"checkpoints: {made}", flush=True)
     env = os.environ | {"OMP_NUM_THREADS": "2", "TOKENIZERS_PARALLELISM": "false"}
 
