@@ -26,7 +26,10 @@ def recompute(row: dict, coef: dict | None = None) -> tuple[float, float]:
     cfg = row_config(row["name"], Path("m"), Path("t.jsonl"), Path("e.jsonl"), Path("/tmp/w"), False)
     if tuple(ROWS[row["name"]][:5]) != (row["shape"], row["quant"], row["packing"], row["max_length"], row["micro_batch"]):
         raise SystemExit(f"row {row['name']} changed since it was measured")
-    est = memory_model.estimate(cfg, memory_model.Shapes.from_config(row["config_json"]), row["longest"], on_gpu=True, coef=coef)
+    # packed: the micro-batch the row's run trained at its heaviest (rows measured before packed steps held a step's samples
+    # filled every micro-batch to the budget, which is what they recorded)
+    est = memory_model.estimate(cfg, memory_model.Shapes.from_config(row["config_json"]), row["longest"], on_gpu=True, coef=coef,
+                                packed_tokens=row["worst_batch_tokens"] if row.get("packed") else None)
     overhead = next(v for k, v in est.items_gib.items() if k.startswith("allocator"))
     return est.total_gib, est.total_gib - overhead
 

@@ -34,11 +34,12 @@ COEF = dict(
     nf4_tiled_h=-1.436, # x T*H*act: QLoRA, tiled: hidden-sized difference to 16-bit LoRA (measured)
     qk_norm=1.0,        # x T*(Q+KV)*act: the query/key norms' tensors (Qwen3, OLMo2; bench/results/capped/)
     fused_mlp=2.0,      # x T*I*act: a fused gate_up_proj's (Phi-3; bench/results/capped/)
+    packed_qkv=1.0,     # x T*(Q+KV)*act: packed, the query/key/value laid out token-major for the varlen kernel (need_run3)
     mask=4.519,         # bytes per element of the batch x seq x seq padding mask
-    slack_gib=0.05,     # allocator: what a capped run cannot give back (partly used pages, the small-block pool); these three
+    slack_gib=0.06,     # allocator: what a capped run cannot give back (partly used pages, the small-block pool); these three
                         # fitted to the smallest cap the whole train stage completes under (bench/fit_capped.py)
     slack=0.065,        # allocator: as a fraction of the allocation
-    slack_nf4_gib=0.075,  # allocator: more with NF4 weights
+    slack_nf4_gib=0.05,   # allocator: more with NF4 weights
     logits=14.07,       # bytes per logit element, plain cross-entropy (bf16 logits, fp32 upcast, fp32 grad; earlier grid)
     frag_logits=0.005,  # reserved - allocated, per plain-CE logit element (earlier grid)
 )
@@ -129,13 +130,15 @@ class Estimate:
     items_bytes: dict[str, float] = field(default_factory=dict, repr=False)
 
 
-def estimate(cfg: RunConfig, s: Shapes, longest: int, on_gpu: bool, coef: dict | None = None) -> Estimate:
+def estimate(cfg: RunConfig, s: Shapes, longest: int, on_gpu: bool, coef: dict | None = None,
+             packed_tokens: int | None = None) -> Estimate:
     """Memory one optimizer step on the heaviest micro-batch needs: on a GPU, the smallest cap under
     which it runs (its peak allocated plus the allocator's slack; bench/results/cap_at_estimate.json).
 
     The heaviest micro-batch, for data whose longest sample has `longest` tokens: padded, the
-    micro-batch padded to `longest`; packed, one row of the full token budget (sample boundaries
-    cost no memory with varlen or flex attention; a tokens x tokens mask with `mask`).
+    micro-batch padded to `longest`; packed, one row of `packed_tokens` (the run's heaviest planned
+    micro-batch; None: the full token budget) (sample boundaries cost no memory with varlen or flex
+    attention; a tokens x tokens mask with `mask`).
 
     Counted from what each piece of the training stage keeps, with the settings it resolves
     (`kernels.resolve_auto`: host embeddings, offloaded layer inputs, Liger kernels, 8-bit
@@ -166,7 +169,8 @@ def estimate(cfg: RunConfig, s: Shapes, longest: int, on_gpu: bool, coef: dict |
     t, lo, q = cfg.training, cfg.lora, cfg.quantization
     gpu = resolve_auto(cfg, on_gpu=on_gpu, longest=longest)  # the settings as the train stage resolves them there
     act = compute_dtype(cfg.model.torch_dtype, cuda=on_gpu).itemsize
-    b, seq = (1, gpu["widest_micro_batch"]) if gpu["packing"] else (t.per_device_train_batch_size, longest)
+    # packed: the run's heaviest planned micro-batch where the caller knows it (the preflight), else the widest the data can make
+    b, seq = (1, packed_tokens or gpu["widest_micro_batch"]) if gpu["packing"] else (t.per_device_train_batch_size, longest)
     tokens = b * seq
     lin = s.linears()
     h, i, kv = s.hidden, s.intermediate, s.kv_heads * s.head_dim
@@ -205,6 +209,8 @@ def estimate(cfg: RunConfig, s: Shapes, longest: int, on_gpu: bool, coef: dict |
         else:
             layer = tokens * act * (k["layer_h"] * h + k["layer_kv"] * kv + (k["layer_i"] + nf4 * k["nf4_i"]) * i)
         layer += dropout + qk_norm
+        if gpu["packing"] and gpu["packed_attention"] == "varlen":
+            layer += k["packed_qkv"] * tokens * act * (s.heads * s.head_dim + kv)
         if nf4:  # bitsandbytes dequantizes the weight to compute the input gradient
             layer += max(a * o for m in lin.values() for a, o in m.shapes) * act
     else:

@@ -58,9 +58,10 @@ class LengthScan:
     longest_id: str
     truncated: list[str]
     dropped: list[str]
-    worst_batch_tokens: int   # padded: micro-batch x longest sample; packed: the token budget
+    worst_batch_tokens: int   # padded: micro-batch x longest sample; packed: the run's heaviest planned micro-batch
     longest: list[int] = field(default_factory=list)  # the longest lengths, longest first: a packed worst micro-batch's rows
     packed: bool = False      # micro-batches are packed to a token budget (training.packing as resolved for the device)
+    planned: list[int] = field(default_factory=list)  # packed: the row lengths of the run's heaviest planned micro-batch
 
 
 @dataclass
@@ -114,14 +115,21 @@ def run(cfg: RunConfig, out_dir: Path, gpu_memory_gib: float | None = None, *, t
         widen_for_eval(cfg, tokenizer, lengths, resolve_auto(cfg, on_gpu=on_gpu, longest=lengths.max)["packing"])
         settings = resolve_auto(cfg, on_gpu=on_gpu, longest=lengths.max)
         lengths.worst_batch_tokens, lengths.packed = settings["widest_micro_batch"], settings["packing"]
-        steps = _steps(cfg, tokenizer, settings["packing"])
         if settings["packing"] and lengths.max > cfg.token_budget():
             raise ConfigError(f"training.max_tokens_per_batch is {cfg.token_budget()}, shorter than the longest sample "
                               f"({lengths.max} tokens, {lengths.longest_id}); set it to at least {lengths.max}")
-        est = estimate(cfg, shapes, lengths.max, on_gpu=on_gpu)
+        steps = _steps(cfg, tokenizer, settings["packing"])
+        plan_tokens = None
+        if settings["packing"]:  # the run's own heaviest micro-batch: its plan is fixed by the data, seed, budget and max_steps
+            lengths.planned = planned_worst(cfg, tokenizer)
+            lengths.worst_batch_tokens = sum(lengths.planned)
+
+            def plan_tokens(changed: RunConfig) -> int:  # the same for a changed config (budget, processes), same data
+                return sum(planned_worst(changed, tokenizer))
+        est = estimate(cfg, shapes, lengths.max, on_gpu=on_gpu, packed_tokens=lengths.worst_batch_tokens if lengths.planned else None)
         weights = next(v for k, v in est.items_gib.items() if k.startswith("base weights"))
         if weights > usable:
-            sharded = fsdp_over(cfg, shapes, lengths.max, usable, on_gpu)
+            sharded = fsdp_over(cfg, shapes, lengths.max, usable, on_gpu, plan_tokens)
             raise PreflightError(
                 f"the base weights alone need {weights:.2f} GiB per GPU, more than the {usable:.2f} GiB usable of {budget:.2f} GiB "
                 f"on {device}; "
@@ -134,9 +142,9 @@ def run(cfg: RunConfig, out_dir: Path, gpu_memory_gib: float | None = None, *, t
         # Probing a run the estimate puts far over budget would only OOM slowly. With fsdp one process's memory
         # depends on the others: the probe (one process) cannot measure it, the train stage records each's peak.
         if on_gpu and cfg.preflight.probe and cfg.training.distributed != "fsdp" and est.total_gib <= PROBE_IF_UNDER * usable:
-            result_probe = probe(cfg, lengths.max, usable, out_dir, lengths=lengths.longest)
+            result_probe = probe(cfg, lengths.max, usable, out_dir, lengths=lengths.longest, rows=lengths.planned or None)
         fits = result_probe.ok if result_probe else est.total_gib <= usable
-        suggestions = [] if fits else suggest(cfg, shapes, lengths, usable, on_gpu=on_gpu)
+        suggestions = [] if fits else suggest(cfg, shapes, lengths, usable, on_gpu=on_gpu, packed_tokens=plan_tokens)
     result = PreflightResult(fits, device, round(budget, 3), round(usable, 3), est, lengths, suggestions,
                              out_dir / "preflight.md", meter.report, probe=result_probe, notes=shapes.unknown,
                              adapted=targets.summary(cfg.lora.r), target_notes=targets.notes, steps=steps)
@@ -159,7 +167,8 @@ def run(cfg: RunConfig, out_dir: Path, gpu_memory_gib: float | None = None, *, t
     return result
 
 
-def probe(cfg: RunConfig, worst_len: int, cap_gib: float, out_dir: Path, model=None, lengths: list[int] | None = None) -> ProbeResult:
+def probe(cfg: RunConfig, worst_len: int, cap_gib: float, out_dir: Path, model=None, lengths: list[int] | None = None,
+          rows: list[int] | None = None) -> ProbeResult:
     """Two real optimizer steps on the worst micro-batch, built exactly as training builds it,
     with the process capped at `cap_gib` (torch.cuda.set_per_process_memory_fraction).
 
@@ -170,6 +179,7 @@ def probe(cfg: RunConfig, worst_len: int, cap_gib: float, out_dir: Path, model=N
     Args:
         model: an already built stage model (bench/memory_grid.py reuses one across rows);
             None builds it here, which is what preflight does.
+        rows: packed, the row lengths of the micro-batch to probe (the run's heaviest planned one), as they are.
     """
     import torch
 
@@ -180,7 +190,7 @@ def probe(cfg: RunConfig, worst_len: int, cap_gib: float, out_dir: Path, model=N
     total = torch.cuda.get_device_properties(0).total_memory
     packed = kernels.packing(cfg)
     b = cfg.training.per_device_train_batch_size
-    batch = (packing.worst_rows(lengths or [worst_len], cfg.token_budget(),
+    batch = (list(rows) if packed and rows else packing.worst_rows(lengths or [worst_len], cfg.token_budget(),
                                 cfg.samples_per_step() if cfg.training.packed_step == "samples" else None) if packed
              else [worst_len] + [max(1, worst_len - 1)] * (b - 1))
     memory.free_gpu()
@@ -220,6 +230,14 @@ def probe(cfg: RunConfig, worst_len: int, cap_gib: float, out_dir: Path, model=N
         memory.free_gpu()
         torch.cuda.set_per_process_memory_fraction(1.0)
     return ProbeResult(ok, round(peak_reserved, 4), round(peak_alloc, 4), round(cap_gib, 3), batch, postmortem, error)
+
+
+def planned_worst(cfg: RunConfig, tokenizer) -> list[int]:
+    """Row lengths of the heaviest packed micro-batch the run will train (stages.train.batches.heaviest)."""
+    from stages.train import batches
+
+    ls = data.training_set(cfg, tokenizer).lengths
+    return sorted((ls[i] for i in batches.heaviest(cfg, ls, cfg.training.world_size)), reverse=True)
 
 
 def _steps(cfg: RunConfig, tokenizer, packed: bool) -> dict:
@@ -279,8 +297,11 @@ def widen_for_eval(cfg: RunConfig, tokenizer, lengths: LengthScan, packed: bool)
 MAX_LONGEST = 4096  # lengths kept for building the packed worst micro-batch (a budget of 4096 x 1-token samples)
 
 
-def suggest(cfg: RunConfig, s: Shapes, lengths: LengthScan, usable: float, on_gpu: bool) -> list[dict]:
+def suggest(cfg: RunConfig, s: Shapes, lengths: LengthScan, usable: float, on_gpu: bool, packed_tokens=None) -> list[dict]:
     """Single config changes, each re-estimated, ranked by predicted saving.
+
+    packed_tokens: config -> the tokens of its heaviest planned packed micro-batch (None: the budget); a change to
+    the data (max_length, dropping) is estimated at its budget.
 
     Each carries `overrides` (for --set), a YAML `diff`, and `rank`: how much it changes
     the run, lowest first. Same maths, only slower: chunked loss, micro-batch traded for
@@ -309,11 +330,12 @@ def suggest(cfg: RunConfig, s: Shapes, lengths: LengthScan, usable: float, on_gp
         options.append((4, {"lora.r": cfg.lora.r // 2}, lengths.max))
     if lengths.p99 < lengths.max:
         options.append((5, {"data.max_length": lengths.p99, "data.long_sample_policy": "drop"}, lengths.p99))
-    sharded = fsdp_over(cfg, s, lengths.max, usable, on_gpu) if on_gpu and t.distributed != "fsdp" else None
+    sharded = fsdp_over(cfg, s, lengths.max, usable, on_gpu, packed_tokens) if on_gpu and t.distributed != "fsdp" else None
     if sharded:  # more GPUs, same run
         options.append((6, {"training.launcher": "accelerate", "training.distributed": "fsdp", "training.num_processes": sharded[0]},
                         lengths.max))
-    base = estimate(cfg, s, lengths.max, on_gpu).total_gib
+    tokens = packed_tokens or (lambda c: None)
+    base = estimate(cfg, s, lengths.max, on_gpu, packed_tokens=tokens(cfg)).total_gib
     resolved = resolve_auto(cfg, on_gpu=on_gpu) | {"cross_entropy": loss_mode(cfg, on_gpu)}
     out = []
     for rank, overrides, seq in options:
@@ -325,7 +347,7 @@ def suggest(cfg: RunConfig, s: Shapes, lengths: LengthScan, usable: float, on_gp
             section, field_name = key.split(".")
             patch.setdefault(section, {})[field_name] = value
         changed = cfg.model_copy(update={k: getattr(cfg, k).model_copy(update=v) for k, v in patch.items()})
-        total = estimate(changed, s, seq, on_gpu).total_gib
+        total = estimate(changed, s, seq, on_gpu, packed_tokens=None if "data" in patch else tokens(changed)).total_gib
         if base - total < 0.001:  # saves nothing measurable on this model
             continue
         diff = "\n".join(
@@ -337,11 +359,12 @@ def suggest(cfg: RunConfig, s: Shapes, lengths: LengthScan, usable: float, on_gp
     return sorted(out, key=lambda o: -o["saving_gib"])
 
 
-def fsdp_over(cfg: RunConfig, s: Shapes, longest: int, usable: float, on_gpu: bool) -> tuple[int, float] | None:
+def fsdp_over(cfg: RunConfig, s: Shapes, longest: int, usable: float, on_gpu: bool, packed_tokens=None) -> tuple[int, float] | None:
     """The fewest GPUs (of 2, 4, 8) that distributed: fsdp needs for the estimate to fit, with that estimate per GPU."""
     for n in (2, 4, 8):
         t = cfg.training.model_copy(update={"launcher": "accelerate", "distributed": "fsdp", "num_processes": n, "num_machines": 1})
-        total = estimate(cfg.model_copy(update={"training": t}), s, longest, on_gpu).total_gib
+        changed = cfg.model_copy(update={"training": t})
+        total = estimate(changed, s, longest, on_gpu, packed_tokens=packed_tokens and packed_tokens(changed)).total_gib
         if total <= usable:
             return n, total
     return None
@@ -397,7 +420,9 @@ def render(r: PreflightResult, cfg: RunConfig) -> str:
     lines = [
         f"## {headline(r, cfg)}",
         "",
-        (f"Worst micro-batch: packed, {L.worst_batch_tokens} tokens of the longest samples (longest {L.max} tokens, {L.longest_id}). "
+        (f"Worst micro-batch: packed, {L.worst_batch_tokens} tokens ({len(L.planned)} samples): the heaviest the run's plan holds "
+         f"over training.max_steps ({cfg.training.max_steps}) under a {cfg.token_budget()}-token budget (longest sample {L.max} tokens, "
+         f"{L.longest_id}). "
          if L.packed else f"Worst micro-batch: {cfg.training.per_device_train_batch_size} x {L.max} tokens (longest sample {L.longest_id}). ")
         + f"Lengths over {L.n_samples} samples: p50 {L.p50}, p95 {L.p95}, p99 {L.p99}, max {L.max}. "
         f"Truncated: {len(L.truncated)}, dropped: {len(L.dropped)}.",

@@ -149,21 +149,31 @@ def test_tiled_mlp_auto_follows_the_widest_micro_batch_the_data_can_make(tmp_pat
     assert not on(small, 4117)
 
 
-def test_preflight_estimates_a_packed_step_as_a_full_budget_of_the_longest_samples(tmp_path):
-    cfg = load_config(write_config(tmp_path, training={"packing": "on", "max_tokens_per_batch": 512}))
-    r = preflight.run(cfg, tmp_path / "preflight")
-    assert r.lengths.packed and r.lengths.worst_batch_tokens == 512
-    assert "Worst micro-batch: packed, 512 tokens" in r.report_md.read_text()
-    bigger = cfg.model_copy(update={"training": cfg.training.model_copy(update={"max_tokens_per_batch": 4096})})
+def test_preflight_sizes_a_packed_run_by_the_heaviest_micro_batch_its_plan_holds(tmp_path):
+    """The plan is fixed by the data, the seed, the budget and max_steps: the preflight estimates (and probes) the
+    micro-batch the run will actually train, not a full budget of the longest samples it may never meet."""
     import json
 
+    from stages import data
     from stages.memory_model import Shapes, estimate
-    from stages.modelio import resolve_model_dir
+    from stages.modelio import load_tokenizer, resolve_model_dir
 
+    cfg = load_config(write_config(tmp_path, training={"packing": "on", "max_tokens_per_batch": 512, "max_steps": 6}))
+    r = preflight.run(cfg, tmp_path / "preflight")
+    lengths = data.training_set(cfg, load_tokenizer(cfg.model)).lengths
+    steps = packing.plan_steps(lengths, 512, cfg.samples_per_step(), cfg.training.seed, 6)
+    heaviest = max((b for s in steps for b in s), key=lambda b: sum(lengths[i] for i in b))
+    assert r.lengths.packed and r.lengths.worst_batch_tokens == sum(lengths[i] for i in heaviest) <= 512
+    assert sorted(r.lengths.planned) == sorted(lengths[i] for i in heaviest)
+    assert f"Worst micro-batch: packed, {r.lengths.worst_batch_tokens} tokens ({len(heaviest)} samples)" in r.report_md.read_text()
+    # a longer run meets heavier micro-batches, never one over the budget
+    longer = preflight.run(cfg.model_copy(update={"training": cfg.training.model_copy(update={"max_steps": 60})}), tmp_path / "p2")
+    assert r.lengths.worst_batch_tokens <= longer.lengths.worst_batch_tokens <= 512
     shapes = Shapes.from_config(json.loads((resolve_model_dir(cfg.model.name_or_path) / "config.json").read_text()))
-    small, large = estimate(cfg, shapes, r.lengths.max, on_gpu=False), estimate(bigger, shapes, r.lengths.max, on_gpu=False)
-    assert large.total_gib > small.total_gib  # the budget, not the longest sample, sizes a packed step
-    # the worst packed rows: the longest samples first, topped up to exactly the budget
+    at = estimate(cfg, shapes, r.lengths.max, on_gpu=False, packed_tokens=r.lengths.worst_batch_tokens)
+    assert r.estimate.total_gib == at.total_gib
+    assert estimate(cfg, shapes, r.lengths.max, on_gpu=False).total_gib >= at.total_gib  # None: the full budget
+    # the worst packed rows the data could make: the longest samples first, topped up to exactly the budget
     assert packing.worst_rows([30, 20, 20, 5], 64) == [30, 20, 5, 9]
     assert sum(packing.worst_rows(r.lengths.longest, 512)) == 512
 
