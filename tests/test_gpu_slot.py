@@ -85,7 +85,8 @@ def test_a_healthy_offline_run_logs_no_warning_or_error_and_says_how_it_holds_th
 
     from tests.conftest import write_config
 
-    cfg = write_config(tmp_path, training={"max_steps": 10, "save_steps": 5}, smoke={"min_accuracy": 0.0, "max_prompts": 5})
+    cfg = write_config(tmp_path, training={"max_steps": 10, "save_steps": 5}, smoke={"min_accuracy": 0.0, "max_prompts": 5},
+                       export={"imatrix": "off"})
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")} | {
         "PREFECT_HOME": str(tmp_path / "prefect"), "TAE_GPU_LOCK": str(tmp_path / "gpu.lock"), "HF_HUB_OFFLINE": "1",
         "TAE_GPU_IDS": "GPU-test0"}
