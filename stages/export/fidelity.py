@@ -86,11 +86,18 @@ def compare(p_logs: list[torch.Tensor], q_logs: list[torch.Tensor]) -> tuple[tor
     return kl, agree / kl.numel()
 
 
-def measure(quant: str, gguf: Path, sequences: list[list[int]], ref: list[torch.Tensor], limits: FidelitySection) -> Fidelity:
-    """KL(P_hf || Q_gguf) and top-1 agreement of `gguf` over every position of `sequences`."""
-    with LlamaProcess(gguf.name) as llm:  # llama.cpp never shares this (torch) process: see llamacpp_process
-        llm.call("load", str(gguf), n_ctx=max(len(s) for s in sequences), logits_all=True, n_gpu_layers="all")
-        q_logs = [torch.from_numpy(llm.call("scores", ids)).float() for ids in sequences]
+def measure(quant: str, gguf: Path, sequences: list[list[int]], ref: list[torch.Tensor], limits: FidelitySection,
+            llm: LlamaProcess | None = None) -> Fidelity:
+    """KL(P_hf || Q_gguf) and top-1 agreement of `gguf` over every position of `sequences`.
+
+    llm: a llama.cpp process to load it in (one serves every file of an export: each load frees the model before);
+    None starts one for this file."""
+    if llm is None:
+        with LlamaProcess(gguf.name) as own:  # llama.cpp never shares this (torch) process: see llamacpp_process
+            return measure(quant, gguf, sequences, ref, limits, own)
+    llm.what = gguf.name  # named if the process dies
+    llm.call("load", str(gguf), n_ctx=max(len(s) for s in sequences), logits_all=True, n_gpu_layers="all")
+    q_logs = [torch.from_numpy(llm.call("scores", ids)).float() for ids in sequences]
     kl, top1 = compare(ref, q_logs)
     max_kl, min_top1 = limits.thresholds(quant)
     mean = float(kl.mean())

@@ -147,7 +147,8 @@ def check_fidelity(cfg: RunConfig, tokenizer, merged_dir: Path, ggufs: list[tupl
     """Every GGUF against the merged model on held-out texts; FidelityError on a breach (`gate`)."""
     sequences = fidelity.held_out_ids(cfg, tokenizer, cfg.export.fidelity.samples)
     ref = fidelity.reference(merged_dir, sequences)
-    results = [fidelity.measure(q, p, sequences, ref, cfg.export.fidelity) for q, p in ggufs]
+    with LlamaProcess("fidelity") as llm:  # one llama.cpp process for every file: a start-up each cost ~1 s on 2 cores
+        results = [fidelity.measure(q, p, sequences, ref, cfg.export.fidelity, llm) for q, p in ggufs]
     for r in results:
         print(f"export: fidelity {r.file}: mean KL {r.mean_kl:.5f}, top-1 {r.top1_agreement:.1%} over {r.positions} positions"
               f"{'' if r.passed else '  FAILED'}")
