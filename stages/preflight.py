@@ -118,10 +118,10 @@ def run(cfg: RunConfig, out_dir: Path, gpu_memory_gib: float | None = None, *, t
         if settings["packing"] and lengths.max > cfg.token_budget():
             raise ConfigError(f"training.max_tokens_per_batch is {cfg.token_budget()}, shorter than the longest sample "
                               f"({lengths.max} tokens, {lengths.longest_id}); set it to at least {lengths.max}")
-        steps = _steps(cfg, tokenizer, settings["packing"])
+        planned, steps = _plan(cfg, tokenizer, settings["packing"])
         plan_tokens = None
         if settings["packing"]:  # the run's own heaviest micro-batch: its plan is fixed by the data, seed, budget and max_steps
-            lengths.planned = planned_worst(cfg, tokenizer)
+            lengths.planned = planned_worst(cfg, tokenizer, planned)
             lengths.worst_batch_tokens = sum(lengths.planned)
 
             def plan_tokens(changed: RunConfig) -> int:  # the same for a changed config (budget, processes), same data
@@ -232,21 +232,24 @@ def probe(cfg: RunConfig, worst_len: int, cap_gib: float, out_dir: Path, model=N
     return ProbeResult(ok, round(peak_reserved, 4), round(peak_alloc, 4), round(cap_gib, 3), batch, postmortem, error)
 
 
-def planned_worst(cfg: RunConfig, tokenizer) -> list[int]:
-    """Row lengths of the heaviest packed micro-batch the run will train (stages.train.batches.heaviest)."""
+def planned_worst(cfg: RunConfig, tokenizer, planned=None) -> list[int]:
+    """Row lengths of the heaviest packed micro-batch the run will train (stages.train.batches.heaviest); `planned`:
+    the run's plan where `_plan` made it already."""
     from stages.train import batches
 
     ls = data.training_set(cfg, tokenizer).lengths
-    return sorted((ls[i] for i in batches.heaviest(cfg, ls, cfg.training.world_size)), reverse=True)
+    return sorted((ls[i] for i in batches.heaviest(cfg, ls, cfg.training.world_size, planned)), reverse=True)
 
 
-def _steps(cfg: RunConfig, tokenizer, packed: bool) -> dict:
-    """What an optimizer step trains and how many epochs training.max_steps covers, from the plan training will make."""
+def _plan(cfg: RunConfig, tokenizer, packed: bool):
+    """The micro-batches training will make (batches.dataset, without the rows), and its figures: what an optimizer
+    step trains and how many epochs training.max_steps covers."""
     from dataclasses import asdict
 
     from stages.train import batches
 
-    return asdict(batches.dataset(cfg, None, packed, cfg.training.world_size, data.training_set(cfg, tokenizer).lengths)[1])
+    planned, plan = batches.dataset(cfg, None, packed, cfg.training.world_size, data.training_set(cfg, tokenizer).lengths)
+    return planned, asdict(plan)
 
 
 def check_held_out(cfg: RunConfig, tokenizer) -> None:

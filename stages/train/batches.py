@@ -83,16 +83,17 @@ def dataset(cfg: RunConfig, train_rows, packed: bool, world_size: int = 1, lengt
                      cfg, len(lengths), total, per_step))
 
 
-def heaviest(cfg: RunConfig, lengths: list[int], world_size: int = 1) -> list[int]:
+def heaviest(cfg: RunConfig, lengths: list[int], world_size: int = 1, planned=None) -> list[int]:
     """Sample indices of the heaviest packed micro-batch this run will train. The plan is a function of the
-    lengths, the budget, the seed and max_steps (what `dataset` builds, micro-batch for micro-batch), so this is
-    the run's own worst step, not the worst the data could make: the preflight sizes and probes exactly it."""
-    t, size = cfg.training, cfg.token_budget()
-    if t.packed_step == "samples":
-        micro = [b for step in packing.plan_steps(lengths, size, cfg.samples_per_step(), t.seed, t.max_steps, world_size) for b in step]
-    else:
-        micro = [b for e in packing.plan(lengths, size, t.seed, t.max_steps * t.gradient_accumulation_steps * world_size) for b in e]
-        micro = micro[: t.max_steps * t.gradient_accumulation_steps * world_size]
+    lengths, the budget, the seed and max_steps, so this is the run's own worst step, not the worst the data could
+    make: the preflight sizes and probes exactly it.
+
+    planned: what `dataset` returned for this run (packed), when the caller has it; None plans it here."""
+    planned = planned if planned is not None else dataset(cfg, None, True, world_size, lengths)[0]
+    if isinstance(planned, packing.PackedSteps):
+        micro = [b for step in planned.steps for b in step]
+    else:  # packed_step: tokens: whole epochs are planned, the Trainer reads max_steps' worth of them
+        micro = planned.batches[: cfg.training.max_steps * cfg.training.gradient_accumulation_steps * world_size]
     return max(micro, key=lambda b: sum(lengths[i] for i in b))
 
 
