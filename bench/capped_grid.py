@@ -190,7 +190,7 @@ def make_data(root: Path, max_length: int, micro_batch: int, packed: bool, seed:
     return train, held
 
 
-def row_config(name: str, model_dir: Path, train: Path, held: Path, work: Path, cpu: bool):
+def row_config(name: str, model_dir: Path, train: Path, held: Path, work: Path, cpu: bool, probe: bool = False):
     from stages.config import RunConfig
 
     shape, quant, packing, max_length, mb, r, targets = ROWS[name]
@@ -203,7 +203,7 @@ def row_config(name: str, model_dir: Path, train: Path, held: Path, work: Path, 
         # every memory setting at its default; only the run's length and the failure mode are the bench's
         "training": {"per_device_train_batch_size": mb, "packing": packing, "max_steps": STEPS, "eval_steps": EVAL_EVERY,
                      "save_steps": EVAL_EVERY, "logging_steps": 5, "oom_retries": 0, "learning_rate": 1e-4},
-        "preflight": {"probe": False},
+        "preflight": {"probe": probe},
         "smoke": {"check": "stops", "max_prompts": 4, "n_ctx": 2 * max_length + 128},  # held-out prompts are as long as training's
         "export": {"fidelity": {"samples": 4}},
         "handoff": {"model_name": "bench"},
@@ -211,7 +211,7 @@ def row_config(name: str, model_dir: Path, train: Path, held: Path, work: Path, 
     })
 
 
-def trial(cfg, out: Path, cap_gib: float | None) -> dict:
+def trial(cfg, out: Path, cap_gib: float | None, pages: bool = False) -> dict:
     """The train stage under a cap (None: uncapped); what it peaked at, and whether it completed."""
     import gc
     import traceback
@@ -228,8 +228,13 @@ def trial(cfg, out: Path, cap_gib: float | None) -> dict:
         torch.cuda.set_per_process_memory_fraction(min(1.0, cap_gib * GIB / total) if cap_gib else 1.0)
     t0 = time.perf_counter()
     row = {"cap_gib": round(cap_gib, 4) if cap_gib else None}
+    need = memory.page_need() if pages and cuda else None
     try:
-        r = train.run(cfg, out)
+        if need:
+            with need:
+                r = train.run(cfg, out)
+        else:
+            r = train.run(cfg, out)
         row |= {"ok": True, "steps": r.steps, "evals": len(r.eval_curve), "tokens_per_s": r.tokens_per_s}
     except Exception as e:  # the OOM a cap causes (TrainOOMError), or anything else: recorded, the row goes on
         row |= {"ok": False, "error": f"{type(e).__name__}: {str(e)[:240]}"}
@@ -241,6 +246,8 @@ def trial(cfg, out: Path, cap_gib: float | None) -> dict:
             torch.cuda.set_per_process_memory_fraction(1.0)
     mem = json.loads((out / "memory.json").read_text()) if (out / "memory.json").is_file() else {}
     row |= {k: mem.get(k) for k in ("peak_alloc_gib", "peak_reserved_gib")} | {"seconds": round(time.perf_counter() - t0, 1)}
+    if need and need.gib:
+        row["pages_gib"] = round(need.gib, 4)  # the whole stage's page figure (memory.page_need), beside the probe's
     memory.free_gpu()
     if cuda:
         row["left_alloc_gib"] = round(torch.cuda.memory_allocated() / GIB, 4)
@@ -258,7 +265,7 @@ def run_row(mode: str, name: str, work: Path, cpu: bool, deadline: float) -> dic
     model_dir = make_checkpoint(shape, work / "models", shapes())
     train_file, held = make_data(work, max_length, mb, packing == "on")
     row_dir = work / "rows" / name
-    cfg = row_config(name, model_dir, train_file, held, row_dir, cpu)
+    cfg = row_config(name, model_dir, train_file, held, row_dir, cpu, probe=mode == "pages")
     spec = {"name": name, "shape": shape, "quant": quant, "packing": packing, "max_length": max_length, "micro_batch": mb,
             "r": r, "targets": targets, "held_out": name.startswith("H"), "config_json": json.loads((model_dir / "config.json").read_text())}
     pre = preflight.run(cfg, row_dir / "preflight", train_only=True)  # the train stage only: no export tools here
@@ -268,8 +275,8 @@ def run_row(mode: str, name: str, work: Path, cpu: bool, deadline: float) -> dic
              "targets_resolved": memory_model.Shapes.from_config(spec["config_json"]).targets(targets).summary(r)}
     trials = []
 
-    def go(cap):
-        t = trial(cfg, row_dir / f"train-{len(trials)}", cap)
+    def go(cap, pages=False):
+        t = trial(cfg, row_dir / f"train-{len(trials)}", cap, pages)
         trials.append(t)
         print(name, json.dumps(t), flush=True)
         return t
@@ -277,6 +284,15 @@ def run_row(mode: str, name: str, work: Path, cpu: bool, deadline: float) -> dic
     if not torch.cuda.is_available():  # CPU: the plumbing only
         go(None)
         return spec | {"trials": trials}
+    if mode == "pages":  # the GPU figure: the probe's pages + PAGES_MARGIN, checked like the estimate
+        p = pre.probe
+        spec |= {"need_gib": pre.need_gib, "probe_pages_gib": p and p.pages_gib, "probe_peak_alloc_gib": p and p.peak_alloc_gib,
+                 "probe_peak_reserved_gib": p and p.peak_reserved_gib, "probe_seconds": pre.memory.wall_s if pre.memory else None}
+        if not pre.need_gib:
+            return spec | {"trials": trials, "error": f"no page figure from the probe ({p and p.error})"}
+        at = go(pre.need_gib, pages=True)
+        below = go(BELOW * pre.need_gib) if time.time() < deadline else None
+        return spec | {"trials": trials, "completes_at_need": at["ok"], "fails_below": None if below is None else not below["ok"]}
     if mode == "validate":
         at = go(est)
         below = go(BELOW * est) if time.time() < deadline else None
@@ -298,7 +314,7 @@ def run_row(mode: str, name: str, work: Path, cpu: bool, deadline: float) -> dic
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=["need", "validate"])
+    ap.add_argument("mode", choices=["need", "validate", "pages"])
     ap.add_argument("--rows", nargs="+", required=True, help="row names, or all (every F and H row)")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--work", type=Path, default=Path("/tmp/capped-grid"))
@@ -354,7 +370,8 @@ def main() -> None:
                                  "torch": torch.__version__, "checkpoint_seconds": made, "exit_codes": codes,
                                  "wall_s": round(time.perf_counter() - t0, 1), "rows": results}, indent=1))
     for r in results:
-        keep = ("need_gib", "fail_gib", "alloc_gib", "reserved_gib", "estimate_gib", "completes_at_estimate", "fails_below", "error")
+        keep = ("need_gib", "fail_gib", "alloc_gib", "reserved_gib", "estimate_gib", "probe_pages_gib", "completes_at_estimate",
+                "completes_at_need", "fails_below", "error")
         print(r.get("name"), {k: r.get(k) for k in keep if k in r})
 
 

@@ -239,3 +239,83 @@ def markdown_table(reports: dict[str, dict | MemoryReport | None]) -> list[str]:
         rows.append(f"| {name} | {d['wall_s']:.1f} | {gib(d.get('peak_reserved_gib'))} | {gib(d.get('peak_alloc_gib'))} | "
                     f"{gib(d.get('start_reserved_gib'))} | {gib(d.get('peak_rss_gib'))} | {gib(d.get('child_peak_rss_gib'))} |")
     return rows
+
+
+# With expandable_segments the caching allocator maps physical memory page by page: 2 MiB pages for its small
+# pool (blocks of at most 1 MiB), 20 MiB pages (kLargeBuffer) for the large pool. Capped, it unmaps free pages
+# when a request would pass the cap, so a capped run needs, at least, the most pages its live blocks touch at
+# once: more than the peak allocated (a page that a live block shares with free space stays mapped), less than
+# an uncapped run reserves (free pages it never had to give back).
+SMALL_BLOCK, SMALL_PAGE, LARGE_PAGE = 1 << 20, 2 << 20, 20 << 20
+
+
+def pages_touched_peak(live: dict[int, int], events: list[dict]) -> int:
+    """Replay the allocator's events over the blocks `live` at the start (address -> size): the most bytes of
+    pages that live blocks touched at one moment. Events are torch.cuda.memory._snapshot()'s device trace."""
+    count: dict[tuple[int, int], int] = {}
+    mapped = peak = 0
+
+    def touch(addr: int, size: int, step: int) -> None:
+        nonlocal mapped
+        page = SMALL_PAGE if size <= SMALL_BLOCK else LARGE_PAGE
+        for p in range(addr // page, (addr + size - 1) // page + 1):
+            key = (page, p)
+            n = count.get(key, 0) + step
+            if n == 0:
+                del count[key]
+                mapped -= page
+            else:
+                if n == 1 and step == 1:
+                    mapped += page
+                count[key] = n
+
+    for addr, size in live.items():
+        touch(addr, size, 1)
+    peak = mapped
+    for e in events:
+        if e["action"] == "alloc":
+            if e["addr"] in live:  # freed before the record began, completed unseen
+                touch(e["addr"], live.pop(e["addr"]), -1)
+            live[e["addr"]] = e["size"]
+            touch(e["addr"], e["size"], 1)
+            peak = max(peak, mapped)
+        elif e["action"] == "free_completed" and e["addr"] in live:
+            touch(e["addr"], live.pop(e["addr"]), -1)
+    return peak
+
+
+class page_need:
+    """What a capped run of the work inside needs at least: the allocator's events recorded (no stacks) and
+    replayed page by page (pages_touched_peak). `.gib` after the block; None off CUDA or if the record overflowed.
+
+        with memory.page_need() as need:
+            trainer.train()
+        need.gib
+    """
+
+    MAX_EVENTS = 3_000_000
+
+    def __init__(self) -> None:
+        self.gib: float | None = None
+        self.torch = _cuda()
+
+    def __enter__(self) -> page_need:
+        if self.torch is not None:
+            mem = self.torch.cuda.memory
+            self.live = {b["address"]: b["size"] for seg in mem._snapshot()["segments"] for b in seg["blocks"]
+                         if b["state"] == "active_allocated"}
+            mem._record_memory_history(enabled="all", context=None, stacks="python", max_entries=self.MAX_EVENTS,
+                                       clear_history=True)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.torch is None:
+            return
+        mem = self.torch.cuda.memory
+        try:
+            traces = mem._snapshot()["device_traces"]
+        finally:
+            mem._record_memory_history(enabled=None)
+        events = traces[self.torch.cuda.current_device()] if traces else []
+        if len(events) < self.MAX_EVENTS:  # a full ring buffer lost its oldest events: no figure rather than a low one
+            self.gib = pages_touched_peak(self.live, events) / GIB

@@ -41,6 +41,9 @@ from stages.train.kernels import resolve_auto
 # completed and one capped 3% lower ran out on every row checked (bench/results/cap_at_estimate.json),
 # so an estimate 10% over the budget is already a clear "does not fit", and probing it would only OOM slowly.
 PROBE_IF_UNDER = 1.1
+# The probe's page figure (memory.page_need) covers the model build and two steps; the whole run (its evals,
+# checkpoints, the layout later steps leave) needs a little more: fitted by bench/capped_grid.py pages.
+PAGES_MARGIN = 0.03
 CUDA_CONTEXT_GIB = 0.5      # typical CUDA context of a torch process; not in torch's counters (not measured here)
 
 
@@ -71,6 +74,7 @@ class ProbeResult:
     peak_alloc_gib: float
     cap_gib: float             # set_per_process_memory_fraction of the device
     batch: list[int]           # the row lengths of the probed micro-batch
+    pages_gib: float | None = None  # the most allocator pages its live blocks touched at once (memory.page_need)
     postmortem: Path | None = None
     error: str | None = None
 
@@ -91,6 +95,12 @@ class PreflightResult:
     adapted: str = ""          # the modules LoRA adapts (as resolved against the model) and their parameter count
     target_notes: list[str] = field(default_factory=list)  # requested names mapped onto fused modules
     steps: dict = field(default_factory=dict)  # samples and tokens per optimizer step, steps per epoch, epochs max_steps covers
+
+    @property
+    def need_gib(self) -> float | None:
+        """Measured on this GPU: the cap under which the whole train stage completes (the probe's pages + PAGES_MARGIN)."""
+        p = self.probe
+        return round(p.pages_gib * (1 + PAGES_MARGIN), 4) if p and p.ok and p.pages_gib else None
 
 
 def run(cfg: RunConfig, out_dir: Path, gpu_memory_gib: float | None = None, *, train_only: bool = False) -> PreflightResult:
@@ -197,24 +207,26 @@ def probe(cfg: RunConfig, worst_len: int, cap_gib: float, out_dir: Path, model=N
     torch.cuda.set_per_process_memory_fraction(min(1.0, cap_gib * GIB / total))
     torch.cuda.reset_peak_memory_stats()
     built, trainer = model is None, None
+    pages = memory.page_need()
     try:
-        if built:
-            model = build_model(cfg, worst_len)
-        vocab = model.get_input_embeddings().num_embeddings
-        gen = torch.Generator().manual_seed(0)
-        rows = []
-        for _ in range(2):
-            for n in batch:
-                ids = torch.randint(3, vocab, (n,), generator=gen).tolist()
-                rows.append({"input_ids": ids, "labels": ids})
-        train_data, collator = ((packing.PackedRows(rows, [list(range(len(batch))), list(range(len(batch), 2 * len(batch)))]),
-                            batches.PackedCollator(varlen=kernels.packed_attention(cfg) == "varlen")) if packed
-                           else (rows, batches.Collator(0)))
-        trainer = make_trainer(
-            cfg, model, train_data, collator, out_dir / "probe", max_steps=2, gradient_accumulation_steps=1,
-            train_sampling_strategy="sequential", save_strategy="no", logging_steps=1000, disable_tqdm=True, logging_first_step=False,
-        )
-        trainer.train()
+        with pages:
+            if built:
+                model = build_model(cfg, worst_len)
+            vocab = model.get_input_embeddings().num_embeddings
+            gen = torch.Generator().manual_seed(0)
+            rows = []
+            for _ in range(2):
+                for n in batch:
+                    ids = torch.randint(3, vocab, (n,), generator=gen).tolist()
+                    rows.append({"input_ids": ids, "labels": ids})
+            train_data, collator = ((packing.PackedRows(rows, [list(range(len(batch))), list(range(len(batch), 2 * len(batch)))]),
+                                batches.PackedCollator(varlen=kernels.packed_attention(cfg) == "varlen")) if packed
+                               else (rows, batches.Collator(0)))
+            trainer = make_trainer(
+                cfg, model, train_data, collator, out_dir / "probe", max_steps=2, gradient_accumulation_steps=1,
+                train_sampling_strategy="sequential", save_strategy="no", logging_steps=1000, disable_tqdm=True, logging_first_step=False,
+            )
+            trainer.train()
         ok, error, postmortem = True, None, None
     except torch.OutOfMemoryError as e:
         ok, error = False, str(e).split("\n")[0][:300]
@@ -229,7 +241,8 @@ def probe(cfg: RunConfig, worst_len: int, cap_gib: float, out_dir: Path, model=N
         del trainer
         memory.free_gpu()
         torch.cuda.set_per_process_memory_fraction(1.0)
-    return ProbeResult(ok, round(peak_reserved, 4), round(peak_alloc, 4), round(cap_gib, 3), batch, postmortem, error)
+    return ProbeResult(ok, round(peak_reserved, 4), round(peak_alloc, 4), round(cap_gib, 3), batch, postmortem, error,
+                       round(pages.gib, 4) if ok and pages.gib else None)
 
 
 def planned_worst(cfg: RunConfig, tokenizer, planned=None) -> list[int]:
