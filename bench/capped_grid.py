@@ -286,7 +286,8 @@ def run_row(mode: str, name: str, work: Path, cpu: bool, deadline: float) -> dic
         return spec | {"trials": trials}
     if mode == "pages":  # the GPU figure: the probe's pages + PAGES_MARGIN, checked like the estimate
         p = pre.probe
-        spec |= {"need_gib": pre.need_gib, "probe_pages_gib": p and p.pages_gib, "probe_peak_alloc_gib": p and p.peak_alloc_gib,
+        spec |= {"need_gib": pre.need_gib, "probe_pages_gib": p and p.pages_gib, "probe_build_pages_gib": p and p.build_pages_gib,
+                 "probe_step_need_gib": p and p.step_need_gib, "probe_peak_alloc_gib": p and p.peak_alloc_gib,
                  "probe_peak_reserved_gib": p and p.peak_reserved_gib, "probe_seconds": pre.memory.wall_s if pre.memory else None}
         if not pre.need_gib:
             return spec | {"trials": trials, "error": f"no page figure from the probe ({p and p.error})"}
@@ -370,7 +371,7 @@ def main() -> None:
                                  "torch": torch.__version__, "checkpoint_seconds": made, "exit_codes": codes,
                                  "wall_s": round(time.perf_counter() - t0, 1), "rows": results}, indent=1))
     for r in results:
-        keep = ("need_gib", "fail_gib", "alloc_gib", "reserved_gib", "estimate_gib", "probe_pages_gib", "completes_at_estimate",
+        keep = ("need_gib", "fail_gib", "alloc_gib", "reserved_gib", "estimate_gib", "probe_pages_gib", "probe_step_need_gib", "completes_at_estimate",
                 "completes_at_need", "fails_below", "error")
         print(r.get("name"), {k: r.get(k) for k in keep if k in r})
 

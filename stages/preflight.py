@@ -41,9 +41,10 @@ from stages.train.kernels import resolve_auto
 # completed and one capped 3% lower ran out on every row checked (bench/results/cap_at_estimate.json),
 # so an estimate 10% over the budget is already a clear "does not fit", and probing it would only OOM slowly.
 PROBE_IF_UNDER = 1.1
-# The probe's page figure (memory.page_need) covers the model build and two steps; the whole run (its evals,
-# checkpoints, the layout later steps leave) needs a little more: fitted by bench/capped_grid.py pages.
-PAGES_MARGIN = 0.03
+# The probe measures what one step on the worst micro-batch needs under a cap (capped_step_need); the whole run
+# (its evals, checkpoints, the layout later steps leave, the allocator's run-to-run spread) a little more:
+# fitted by bench/capped_grid.py pages.
+PAGES_MARGIN = 0.02
 CUDA_CONTEXT_GIB = 0.5      # typical CUDA context of a torch process; not in torch's counters (not measured here)
 
 
@@ -74,7 +75,9 @@ class ProbeResult:
     peak_alloc_gib: float
     cap_gib: float             # set_per_process_memory_fraction of the device
     batch: list[int]           # the row lengths of the probed micro-batch
-    pages_gib: float | None = None  # the most allocator pages its live blocks touched at once (memory.page_need)
+    pages_gib: float | None = None        # the two steps: the most allocator pages live blocks touched at once (memory.page_need)
+    build_pages_gib: float | None = None  # the same over the model build
+    step_need_gib: float | None = None    # the smallest cap one more step completes under (capped_step_need)
     postmortem: Path | None = None
     error: str | None = None
 
@@ -100,7 +103,9 @@ class PreflightResult:
     def need_gib(self) -> float | None:
         """Measured on this GPU: the cap under which the whole train stage completes (the probe's pages + PAGES_MARGIN)."""
         p = self.probe
-        return round(p.pages_gib * (1 + PAGES_MARGIN), 4) if p and p.ok and p.pages_gib else None
+        if not (p and p.ok and p.step_need_gib):
+            return None
+        return round(max(p.step_need_gib, p.build_pages_gib or 0.0) * (1 + PAGES_MARGIN), 4)
 
 
 def run(cfg: RunConfig, out_dir: Path, gpu_memory_gib: float | None = None, *, train_only: bool = False) -> PreflightResult:
@@ -178,7 +183,7 @@ def run(cfg: RunConfig, out_dir: Path, gpu_memory_gib: float | None = None, *, t
 
 
 def probe(cfg: RunConfig, worst_len: int, cap_gib: float, out_dir: Path, model=None, lengths: list[int] | None = None,
-          rows: list[int] | None = None) -> ProbeResult:
+          rows: list[int] | None = None, descend: bool = True) -> ProbeResult:
     """Two real optimizer steps on the worst micro-batch, built exactly as training builds it,
     with the process capped at `cap_gib` (torch.cuda.set_per_process_memory_fraction).
 
@@ -190,6 +195,7 @@ def probe(cfg: RunConfig, worst_len: int, cap_gib: float, out_dir: Path, model=N
         model: an already built stage model (bench/memory_grid.py reuses one across rows);
             None builds it here, which is what preflight does.
         rows: packed, the row lengths of the micro-batch to probe (the run's heaviest planned one), as they are.
+        descend: after the two steps, find the smallest cap a step completes under (capped_step_need): the need.
     """
     import torch
 
@@ -207,33 +213,39 @@ def probe(cfg: RunConfig, worst_len: int, cap_gib: float, out_dir: Path, model=N
     torch.cuda.set_per_process_memory_fraction(min(1.0, cap_gib * GIB / total))
     torch.cuda.reset_peak_memory_stats()
     built, trainer = model is None, None
-    pages = memory.page_need()
+    built_pages, step_pages, need, build_peaks = memory.page_need(), memory.page_need(), None, None
     try:
-        with pages:
+        with built_pages:
             if built:
                 model = build_model(cfg, worst_len)
-            vocab = model.get_input_embeddings().num_embeddings
-            gen = torch.Generator().manual_seed(0)
-            rows = []
-            for _ in range(2):
-                for n in batch:
-                    ids = torch.randint(3, vocab, (n,), generator=gen).tolist()
-                    rows.append({"input_ids": ids, "labels": ids})
-            train_data, collator = ((packing.PackedRows(rows, [list(range(len(batch))), list(range(len(batch), 2 * len(batch)))]),
-                                batches.PackedCollator(varlen=kernels.packed_attention(cfg) == "varlen")) if packed
-                               else (rows, batches.Collator(0)))
-            trainer = make_trainer(
-                cfg, model, train_data, collator, out_dir / "probe", max_steps=2, gradient_accumulation_steps=1,
-                train_sampling_strategy="sequential", save_strategy="no", logging_steps=1000, disable_tqdm=True, logging_first_step=False,
-            )
+        build_peaks = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
+        torch.cuda.reset_peak_memory_stats()  # the steps' own peak: where the descent starts
+        vocab = model.get_input_embeddings().num_embeddings
+        gen = torch.Generator().manual_seed(0)
+        rows = []
+        for _ in range(2):
+            for n in batch:
+                ids = torch.randint(3, vocab, (n,), generator=gen).tolist()
+                rows.append({"input_ids": ids, "labels": ids})
+        train_data, collator = ((packing.PackedRows(rows, [list(range(len(batch))), list(range(len(batch), 2 * len(batch)))]),
+                            batches.PackedCollator(varlen=kernels.packed_attention(cfg) == "varlen")) if packed
+                           else (rows, batches.Collator(0)))
+        trainer = make_trainer(
+            cfg, model, train_data, collator, out_dir / "probe", max_steps=2, gradient_accumulation_steps=1,
+            train_sampling_strategy="sequential", save_strategy="no", logging_steps=1000, disable_tqdm=True, logging_first_step=False,
+        )
+        with step_pages:
             trainer.train()
+        if descend and step_pages.gib:
+            need = capped_step_need(trainer, torch.cuda.max_memory_allocated() / GIB, step_pages.gib, total, cap_gib)
         ok, error, postmortem = True, None, None
     except torch.OutOfMemoryError as e:
         ok, error = False, str(e).split("\n")[0][:300]
         postmortem = out_dir / "probe_postmortem.txt"
         postmortem.write_text(f"{error}\n\nbatch rows: {batch}\n\n{torch.cuda.memory_summary()}")
     finally:
-        peak_reserved, peak_alloc = torch.cuda.max_memory_reserved() / GIB, torch.cuda.max_memory_allocated() / GIB
+        peak_alloc = max(build_peaks[0] if build_peaks else 0, torch.cuda.max_memory_allocated()) / GIB
+        peak_reserved = max(build_peaks[1] if build_peaks else 0, torch.cuda.max_memory_reserved()) / GIB
         if trainer is not None:
             release(trainer)
         if built:
@@ -242,7 +254,47 @@ def probe(cfg: RunConfig, worst_len: int, cap_gib: float, out_dir: Path, model=N
         memory.free_gpu()
         torch.cuda.set_per_process_memory_fraction(1.0)
     return ProbeResult(ok, round(peak_reserved, 4), round(peak_alloc, 4), round(cap_gib, 3), batch, postmortem, error,
-                       round(pages.gib, 4) if ok and pages.gib else None)
+                       pages_gib=_r4(step_pages.gib), build_pages_gib=_r4(built_pages.gib), step_need_gib=_r4(need))
+
+
+def _r4(x: float | None) -> float | None:
+    return None if x is None else round(x, 4)
+
+
+def capped_step_need(trainer, lo: float, hi: float, total: int, cap_gib: float, tries: int = 4) -> float | None:
+    """The smallest cap (GiB) under which one more optimizer step on the worst micro-batch completes, found by
+    bisection between the steps' peak allocated (`lo`, never enough: pages hold more) and their page figure (`hi`,
+    raised until a step completes under it). Each try starts from an emptied cache, as a capped run's allocator
+    is after it gave its free pages back; an OOM's frames are dropped before the next. None if no step completes
+    under `cap_gib`."""
+    import traceback
+
+    import torch
+
+    trainer.args.max_steps = 1
+
+    def completes(cap: float) -> bool:
+        memory.free_gpu()
+        torch.cuda.set_per_process_memory_fraction(min(1.0, cap * GIB / total))
+        try:
+            trainer.train()
+            return True
+        except torch.OutOfMemoryError as e:
+            traceback.clear_frames(e.__traceback__)
+            return False
+        finally:
+            trainer.model.zero_grad(set_to_none=True)
+            if trainer.offload is not None:
+                trainer.offload.reset()
+
+    while not completes(hi):
+        if hi >= cap_gib:
+            return None
+        lo, hi = hi, min(cap_gib, hi * 1.05)
+    for _ in range(tries):
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if completes(mid) else (mid, hi)
+    return hi
 
 
 def planned_worst(cfg: RunConfig, tokenizer, planned=None) -> list[int]:
