@@ -75,11 +75,11 @@ class ProbeResult:
     peak_alloc_gib: float
     cap_gib: float             # set_per_process_memory_fraction of the device
     batch: list[int]           # the row lengths of the probed micro-batch
+    postmortem: Path | None = None
+    error: str | None = None
     pages_gib: float | None = None        # the two steps: the most allocator pages live blocks touched at once (memory.page_need)
     build_pages_gib: float | None = None  # the same over the model build
     step_need_gib: float | None = None    # the smallest cap one more step completes under (capped_step_need)
-    postmortem: Path | None = None
-    error: str | None = None
 
 
 @dataclass
