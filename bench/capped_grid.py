@@ -284,7 +284,7 @@ def run_row(mode: str, name: str, work: Path, cpu: bool, deadline: float) -> dic
     if not torch.cuda.is_available():  # CPU: the plumbing only
         go(None)
         return spec | {"trials": trials}
-    if mode == "pages":  # the GPU figure: the probe's pages + PAGES_MARGIN, checked like the estimate
+    if mode == "pages":  # the GPU figure: the probe's step need, scaled (PreflightResult.need_gib), checked like the estimate
         p = pre.probe
         spec |= {"need_gib": pre.need_gib, "probe_pages_gib": p and p.pages_gib, "probe_build_pages_gib": p and p.build_pages_gib,
                  "probe_step_need_gib": p and p.step_need_gib, "probe_peak_alloc_gib": p and p.peak_alloc_gib,

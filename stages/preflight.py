@@ -42,9 +42,9 @@ from stages.train.kernels import resolve_auto
 # so an estimate 10% over the budget is already a clear "does not fit", and probing it would only OOM slowly.
 PROBE_IF_UNDER = 1.1
 # The probe measures what one step on the worst micro-batch needs under a cap (capped_step_need); the whole run
-# (its evals, checkpoints, the layout later steps leave, the allocator's run-to-run spread) a little more:
-# fitted by bench/capped_grid.py pages.
-PAGES_MARGIN = 0.02
+# needs up to 6% more (micro-batches of other widths before it leave live blocks where the worst one's pages
+# go; its evals and checkpoints), most on small models: fitted on 20 capped runs (bench/results/capped/pages_run1.json).
+NEED_SCALE, NEED_PLUS_GIB = 1.045, 0.01
 CUDA_CONTEXT_GIB = 0.5      # typical CUDA context of a torch process; not in torch's counters (not measured here)
 
 
@@ -101,11 +101,11 @@ class PreflightResult:
 
     @property
     def need_gib(self) -> float | None:
-        """Measured on this GPU: the cap under which the whole train stage completes (the probe's pages + PAGES_MARGIN)."""
+        """Measured on this GPU: the cap under which the whole train stage completes (the probe's step need, scaled)."""
         p = self.probe
         if not (p and p.ok and p.step_need_gib):
             return None
-        return round(max(p.step_need_gib, p.build_pages_gib or 0.0) * (1 + PAGES_MARGIN), 4)
+        return round(max(p.step_need_gib * NEED_SCALE + NEED_PLUS_GIB, p.build_pages_gib or 0.0), 4)
 
 
 def run(cfg: RunConfig, out_dir: Path, gpu_memory_gib: float | None = None, *, train_only: bool = False) -> PreflightResult:
@@ -261,7 +261,7 @@ def _r4(x: float | None) -> float | None:
     return None if x is None else round(x, 4)
 
 
-def capped_step_need(trainer, lo: float, hi: float, total: int, cap_gib: float, tries: int = 4) -> float | None:
+def capped_step_need(trainer, lo: float, hi: float, total: int, cap_gib: float, tries: int = 6) -> float | None:
     """The smallest cap (GiB) under which one more optimizer step on the worst micro-batch completes, found by
     bisection between the steps' peak allocated (`lo`, never enough: pages hold more) and their page figure (`hi`,
     raised until a step completes under it). Each try starts from an emptied cache, as a capped run's allocator
