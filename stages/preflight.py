@@ -102,7 +102,10 @@ class PreflightResult:
     @property
     def need_gib(self) -> float | None:
         """Measured on this GPU: the cap under which the whole train stage completes (the probe's step need, scaled)."""
-        p = self.probe
+        return self.need_of(self.probe)
+
+    @staticmethod
+    def need_of(p: ProbeResult | None) -> float | None:
         if not (p and p.ok and p.step_need_gib):
             return None
         return round(max(p.step_need_gib * NEED_SCALE + NEED_PLUS_GIB, p.build_pages_gib or 0.0), 4)
@@ -158,7 +161,10 @@ def run(cfg: RunConfig, out_dir: Path, gpu_memory_gib: float | None = None, *, t
         # depends on the others: the probe (one process) cannot measure it, the train stage records each's peak.
         if on_gpu and cfg.preflight.probe and cfg.training.distributed != "fsdp" and est.total_gib <= PROBE_IF_UNDER * usable:
             result_probe = probe(cfg, lengths.max, usable, out_dir, lengths=lengths.longest, rows=lengths.planned or None)
-        fits = result_probe.ok if result_probe else est.total_gib <= usable
+        fits = est.total_gib <= usable
+        if result_probe:  # measured on this GPU: the probe's steps ran under the cap, and what the run needs fits it
+            need = PreflightResult.need_of(result_probe)
+            fits = result_probe.ok and (need is None or need <= usable)
         suggestions = [] if fits else suggest(cfg, shapes, lengths, usable, on_gpu=on_gpu, packed_tokens=plan_tokens)
     result = PreflightResult(fits, device, round(budget, 3), round(usable, 3), est, lengths, suggestions,
                              out_dir / "preflight.md", meter.report, probe=result_probe, notes=shapes.unknown,
@@ -172,7 +178,8 @@ def run(cfg: RunConfig, out_dir: Path, gpu_memory_gib: float | None = None, *, t
                f"or on the command line: " + " ".join(f"--set {o}" for o in best["overrides"])
                if best else "no single change fits: combine QLoRA, a smaller micro-batch and a shorter max_length")
         what = (f"two real optimizer steps on the worst micro-batch ran out of memory under a {usable:.2f} GiB cap "
-                f"(estimate {est.total_gib:.2f} GiB; post-mortem {result_probe.postmortem})" if result_probe
+                f"(estimate {est.total_gib:.2f} GiB; post-mortem {result_probe.postmortem})" if result_probe and not result_probe.ok
+                else f"the need measured on this GPU, {result.need_gib:.2f} GiB, exceeds what is usable" if result_probe
                 else f"the estimated peak, {est.total_gib:.2f} GiB, exceeds")
         raise PreflightError(
             f"{what} for the worst micro-batch ({lengths.worst_batch_tokens} tokens, longest sample {lengths.longest_id}): "
@@ -461,6 +468,11 @@ def headline(r: PreflightResult, cfg: RunConfig) -> str:
     budget = (f"{r.usable_gib:.2f} GiB usable of {r.budget_gib:.2f} GiB on {r.device} (margin {cfg.preflight.margin:.0%}"
               + (f", CUDA context {CUDA_CONTEXT_GIB} GiB)" if r.device != "cpu" else ")"))
     p = r.probe
+    if p and p.ok and r.need_gib:
+        return (f"Preflight: {verdict}, measured: this run needs {r.need_gib:.2f} GiB on this GPU (one optimizer step on the worst "
+                f"micro-batch completed under a {p.step_need_gib:.2f} GiB cap and no lower, x {NEED_SCALE} + {NEED_PLUS_GIB} GiB for "
+                f"the rest of the run; a run capped there completes); {budget}. The estimate below, {r.estimate.total_gib:.2f} GiB, is "
+                f"from config.json alone: never under a capped run's need, up to 14% over it.")
     if p and p.ok:
         return (f"Preflight: {verdict}, measured: two real optimizer steps on the worst micro-batch ran under a {p.cap_gib:.2f} GiB cap, "
                 f"peak {p.peak_alloc_gib:.2f} GiB allocated / {p.peak_reserved_gib:.2f} GiB reserved; {budget}. "
@@ -507,7 +519,9 @@ def render(r: PreflightResult, cfg: RunConfig) -> str:
     if r.probe:
         p = r.probe
         lines += ["", f"Probe (two real optimizer steps on rows {p.batch}, capped at {p.cap_gib:.2f} GiB): "
-                  + (f"peak reserved {p.peak_reserved_gib:.2f} GiB, allocated {p.peak_alloc_gib:.2f} GiB." if p.ok
+                  + (f"peak reserved {p.peak_reserved_gib:.2f} GiB, allocated {p.peak_alloc_gib:.2f} GiB"
+                     + (f"; pages touched at most {p.pages_gib:.2f} GiB (model build {p.build_pages_gib or 0:.2f}); one more step completed "
+                        f"under {p.step_need_gib:.2f} GiB and no lower (bisection)" if p.step_need_gib else "") + "." if p.ok
                      else f"OUT OF MEMORY ({p.error}); post-mortem: {p.postmortem}")]
     if r.notes:
         lines += ["", "Not estimated precisely:", *[f"- {n}" for n in r.notes]]

@@ -147,3 +147,19 @@ def test_the_train_stage_frees_its_model_before_it_returns(tmp_path, monkeypatch
         assert built and all(ref() is None for ref in built)
     finally:
         gc.enable()
+
+
+def test_pages_touched_peak_counts_the_allocator_pages_live_blocks_hold():
+    """A capped allocator with expandable segments unmaps only whole free pages (20 MiB large, 2 MiB small):
+    two 12 MiB blocks side by side hold two large pages, and keep both while either half-page is live."""
+    mib = 2**20
+    events = [{"action": "alloc", "addr": 0, "size": 12 * mib}, {"action": "alloc", "addr": 12 * mib, "size": 12 * mib},
+              {"action": "free_completed", "addr": 0, "size": 12 * mib}, {"action": "alloc", "addr": 24 * mib, "size": 4 * mib}]
+    assert memory.pages_touched_peak({}, events) == 2 * memory.LARGE_PAGE
+    small = [{"action": "alloc", "addr": 1 << 40, "size": 512}, {"action": "alloc", "addr": (1 << 40) + 3 * mib, "size": 512}]
+    assert memory.pages_touched_peak({}, small) == 2 * memory.SMALL_PAGE  # two small pages, not one large
+    # blocks live before the record began count from the start; a freed one gives its page back
+    assert memory.pages_touched_peak({0: 30 * mib}, [{"action": "free_completed", "addr": 0, "size": 30 * mib}]) == 2 * memory.LARGE_PAGE
+    with memory.page_need() as need:  # off CUDA there is nothing to replay
+        pass
+    assert need.gib is None

@@ -190,6 +190,15 @@ def test_the_report_leads_with_the_verdict_and_what_decided_it(tmp_path):
     oom = preflight.PreflightResult(False, "NVIDIA H200", 24.0, 21.15, est, lengths, [], tmp_path / "x.md",
                                     probe=preflight.ProbeResult(False, 21.1, 20.9, 21.15, [4096, 4095], error="CUDA out of memory"))
     assert preflight.headline(oom, c).startswith("Preflight: DOES NOT FIT, measured: two real optimizer steps on the worst micro-batch ran out")
+    # with the descent's figure, the verdict is the need measured on this GPU: the step's need scaled for the whole run
+    stepped = preflight.ProbeResult(True, 9.25, 8.61, 21.15, [4096, 4095], pages_gib=9.1, build_pages_gib=6.0, step_need_gib=8.9)
+    need = preflight.PreflightResult(True, "NVIDIA H200", 24.0, 21.15, est, lengths, [], tmp_path / "x.md", probe=stepped)
+    assert need.need_gib == round(8.9 * preflight.NEED_SCALE + preflight.NEED_PLUS_GIB, 4)
+    line = preflight.headline(need, c)
+    assert line.startswith(f"Preflight: FITS, measured: this run needs {need.need_gib:.2f} GiB") and "8.90 GiB cap and no lower" in line
+    # a model build that touches more pages than the steps need decides instead
+    heavy = preflight.ProbeResult(True, 9.25, 8.61, 21.15, [4096], pages_gib=9.1, build_pages_gib=12.0, step_need_gib=8.9)
+    assert preflight.PreflightResult.need_of(heavy) == 12.0
 
 
 def test_scan_reports_percentiles_and_worst_batch(tmp_path):
