@@ -2,6 +2,7 @@
 
     python3 bench/capped_grid.py need --rows F1 F2 ... --out $OUT/need.json --parallel 4 --max-seconds 420
     python3 bench/capped_grid.py validate --rows all --out $OUT/validate.json --parallel 4 --max-seconds 480
+    python3 bench/capped_grid.py pages --rows all --out $OUT/pages.json --parallel 8 --max-seconds 480
     python3 bench/capped_grid.py validate --rows T1 T2 --out /tmp/v.json --cpu      # CPU dry run of the plumbing
 
 Each row is a user's run: a random-init checkpoint of a real model's shapes (memory depends on
@@ -19,6 +20,8 @@ instead of being recovered.
             seen failing. These rows fit the estimate's allocator terms (bench/fit_capped.py).
   validate  the preflight's estimate E (probe off: the estimate is what is checked here); the stage capped
             at E must complete and capped at 0.95 E must fail.
+  pages     the GPU's own figure (probe on): the need the probe measures (PreflightResult.need_gib: its bisected
+            step need, scaled) checked the same way, with the whole stage's page figure recorded beside it.
 
 Rows run `--parallel` at a time, one process each (their own CUDA context and allocator); a row's line is
 appended to <out>.jsonl as it ends, so a call stopped by its time limit keeps what it measured.
