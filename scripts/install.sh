@@ -63,8 +63,11 @@ if [ ! -f "$CONVERTER/VERSION" ]; then
 fi
 
 WHEELS="$CACHE/wheels-$ACCEL"
+EXTRAS=dev
+if [ "$ACCEL" = cuda ]; then EXTRAS=dev,gpu; fi  # liger-kernel (Triton) only where there is a GPU
+build_pid=
 if ! ls "$WHEELS"/llama_cpp_python-"$LLAMA_CPP_VERSION"-*.whl >/dev/null 2>&1; then
-  log "4/5 building llama-cpp-python $LLAMA_CPP_VERSION ($ACCEL, $JOBS jobs; ~3 min on 2 cores)"
+  log "4/5 building llama-cpp-python $LLAMA_CPP_VERSION ($ACCEL, $JOBS jobs; ~3 min on 2 cores), beside step 5"
   log "    CMAKE_ARGS=$CMAKE_ARGS"
   # The sdist forces llama.cpp's `common` library on (with cpp-httplib: half the build), for the llava/mtmd tools
   # switched off above; the Python package loads libllama and libggml only. Built from the verified sdist with
@@ -75,15 +78,29 @@ if ! ls "$WHEELS"/llama_cpp_python-"$LLAMA_CPP_VERSION"-*.whl >/dev/null 2>&1; t
   on='set(LLAMA_BUILD_COMMON ON CACHE BOOL "Build llama.cpp common library" FORCE)'
   grep -qF "$on" "$cml" || { echo "$cml no longer forces LLAMA_BUILD_COMMON: review scripts/install.sh for this version" >&2; exit 1; }
   sed -i "s/${on//\//\\/}/${on/ ON / OFF }/" "$cml"
-  "$PY" -m pip wheel -q --no-deps "$src/llama_cpp_python-$LLAMA_CPP_VERSION" -w "$WHEELS.tmp"
-  mkdir -p "$WHEELS" && mv "$WHEELS.tmp"/*.whl "$WHEELS"/ && rm -rf "$WHEELS.tmp" "$src"
+  # The compiler runs while pip unpacks the other dependencies (mostly I/O): ~2 min of a clean install saved.
+  ( "$PY" -m pip wheel -q --no-deps "$src/llama_cpp_python-$LLAMA_CPP_VERSION" -w "$WHEELS.tmp" > "$CACHE/llama-build.log" 2>&1 \
+      && mkdir -p "$WHEELS" && mv "$WHEELS.tmp"/*.whl "$WHEELS"/ && rm -rf "$WHEELS.tmp" "$src" ) &
+  build_pid=$!
 fi
-"${PIP[@]}" -q "$WHEELS"/llama_cpp_python-"$LLAMA_CPP_VERSION"-*.whl "$CONVERTER/gguf-py"
 
 log "5/5 train-and-export and its pinned dependencies"
-EXTRAS=dev
-if [ "$ACCEL" = cuda ]; then EXTRAS=dev,gpu; fi  # liger-kernel (Triton) only where there is a GPU
-"${PIP[@]}" -q -e "$REPO[$EXTRAS]"
+# Everything but llama-cpp-python first (pip would build that one itself from the sdist, without the flags above).
+reqs=$(mktemp)
+"$PY" - "$REPO/pyproject.toml" "$EXTRAS" > "$reqs" <<'PYEOF'
+import sys, tomllib
+project = tomllib.load(open(sys.argv[1], "rb"))["project"]
+extras = [x for e in sys.argv[2].split(",") for x in project["optional-dependencies"][e]]
+print("\n".join(d for d in project["dependencies"] + extras if not d.startswith("llama-cpp-python")))
+PYEOF
+"${PIP[@]}" -q -r "$reqs"
+rm -f "$reqs"
+if [ -n "$build_pid" ]; then
+  wait "$build_pid" || { echo "building llama-cpp-python failed; its log: $CACHE/llama-build.log" >&2; tail -30 "$CACHE/llama-build.log" >&2; exit 1; }
+  log "    llama-cpp-python built"
+fi
+"${PIP[@]}" -q "$WHEELS"/llama_cpp_python-"$LLAMA_CPP_VERSION"-*.whl "$CONVERTER/gguf-py"
+"${PIP[@]}" -q --no-deps -e "$REPO"
 # A CUDA build of llama.cpp loads libcuda.so.1 on import: where no driver is (a `docker build`, a CPU build host)
 # it is checked at container start instead (scripts/entrypoint.sh), not here.
 if [ "$ACCEL" = cuda ] && ! "$PY" -c "import ctypes; ctypes.CDLL('libcuda.so.1')" 2>/dev/null; then
