@@ -46,8 +46,23 @@ log "1/5 torch ($ACCEL)"
 SDIST="$CACHE/llama_cpp_python-$LLAMA_CPP_VERSION.tar.gz"
 if [ ! -f "$SDIST" ]; then
   log "2/5 downloading llama-cpp-python $LLAMA_CPP_VERSION sdist"
-  "$PY" -m pip download -q --no-deps --no-binary :all: "llama-cpp-python==$LLAMA_CPP_VERSION" -d "$CACHE/dl"
-  mv "$CACHE/dl/llama_cpp_python-$LLAMA_CPP_VERSION.tar.gz" "$SDIST"
+  # Straight from PyPI's simple index (1 s): `pip download` of an sdist first builds its metadata (scikit-build-core
+  # in an isolated environment, ~40 s). pip is the fallback where another index is configured. The sha256 decides.
+  if "$PY" - "$SDIST.part" "$LLAMA_CPP_VERSION" 2>/dev/null <<'PYEOF'
+import re, sys, urllib.parse, urllib.request
+out, version = sys.argv[1], sys.argv[2]
+index = "https://pypi.org/simple/llama-cpp-python/"
+html = urllib.request.urlopen(index, timeout=60).read().decode()
+href = re.search(rf'href="([^"]*/llama_cpp_python-{re.escape(version)}\.tar\.gz[^"]*)"', html).group(1)
+urllib.request.urlretrieve(urllib.parse.urljoin(index, href), out)
+PYEOF
+  then
+    mv "$SDIST.part" "$SDIST"
+  else
+    rm -f "$SDIST.part"
+    "$PY" -m pip download -q --no-deps --no-binary :all: "llama-cpp-python==$LLAMA_CPP_VERSION" -d "$CACHE/dl"
+    mv "$CACHE/dl/llama_cpp_python-$LLAMA_CPP_VERSION.tar.gz" "$SDIST"
+  fi
 fi
 echo "$LLAMA_CPP_SHA256  $SDIST" | sha256sum -c --quiet - \
   || { echo "sha256 of $SDIST differs from the pinned one: delete it and re-run" >&2; exit 1; }
