@@ -5,7 +5,7 @@
 #   bash scripts/install.sh            # CPU (laptops, CI)
 #   TAE_ACCEL=cuda bash scripts/install.sh   # CUDA build of llama.cpp (Dockerfile, GPU hosts)
 #
-# What it does, in order (each step is skipped when its output is already there):
+# What it does (each step is skipped when its output is already there; llama.cpp compiles while torch and the rest install):
 #   1. torch: the CPU build on CPU (a bare `pip install torch` pulls a multi-GB CUDA build).
 #   2. llama-cpp-python: downloads the pinned sdist once, checks its sha256, and builds it.
 #      A native (-march=native) build can use AMX and die with SIGILL on another CPU, so
@@ -38,14 +38,9 @@ export CMAKE_BUILD_PARALLEL_LEVEL=$JOBS
 log() { printf '[install %(%H:%M:%S)T] %s\n' -1 "$*"; }
 mkdir -p "$CACHE"
 
-log "1/5 torch ($ACCEL)"
-# On a laptop, point TAE_TORCH_INDEX at https://download.pytorch.org/whl/cpu to get the
-# small CPU build; CI machines have it on disk already.
-"${PIP[@]}" -q "torch==$TORCH_VERSION" ${TAE_TORCH_INDEX:+--index-url "$TAE_TORCH_INDEX"}
-
 SDIST="$CACHE/llama_cpp_python-$LLAMA_CPP_VERSION.tar.gz"
 if [ ! -f "$SDIST" ]; then
-  log "2/5 downloading llama-cpp-python $LLAMA_CPP_VERSION sdist"
+  log "1/5 downloading llama-cpp-python $LLAMA_CPP_VERSION sdist"
   # Straight from PyPI's simple index (1 s): `pip download` of an sdist first builds its metadata (scikit-build-core
   # in an isolated environment, ~40 s). pip is the fallback where another index is configured. The sha256 decides.
   if "$PY" - "$SDIST.part" "$LLAMA_CPP_VERSION" 2>/dev/null <<'PYEOF'
@@ -69,7 +64,7 @@ echo "$LLAMA_CPP_SHA256  $SDIST" | sha256sum -c --quiet - \
 
 CONVERTER="$CACHE/llama-cpp-converter-$LLAMA_CPP_VERSION"
 if [ ! -f "$CONVERTER/VERSION" ]; then
-  log "3/5 extracting the official converter into $CONVERTER"
+  log "2/5 extracting the official converter into $CONVERTER"
   tmp=$(mktemp -d "$CACHE/extract.XXXX")
   top="llama_cpp_python-$LLAMA_CPP_VERSION/vendor/llama.cpp"
   tar -xzf "$SDIST" -C "$tmp" "$top/convert_hf_to_gguf.py" "$top/conversion" "$top/gguf-py" "$top/LICENSE"
@@ -82,7 +77,7 @@ EXTRAS=dev
 if [ "$ACCEL" = cuda ]; then EXTRAS=dev,gpu; fi  # liger-kernel (Triton) only where there is a GPU
 build_pid=
 if ! ls "$WHEELS"/llama_cpp_python-"$LLAMA_CPP_VERSION"-*.whl >/dev/null 2>&1; then
-  log "4/5 building llama-cpp-python $LLAMA_CPP_VERSION ($ACCEL, $JOBS jobs; ~3 min on 2 cores), beside step 5"
+  log "3/5 building llama-cpp-python $LLAMA_CPP_VERSION ($ACCEL, $JOBS jobs; ~3 min on 2 cores), beside steps 4-5"
   log "    CMAKE_ARGS=$CMAKE_ARGS"
   # The sdist forces llama.cpp's `common` library on (with cpp-httplib: half the build), for the llava/mtmd tools
   # switched off above; the Python package loads libllama and libggml only. Built from the verified sdist with
@@ -98,6 +93,11 @@ if ! ls "$WHEELS"/llama_cpp_python-"$LLAMA_CPP_VERSION"-*.whl >/dev/null 2>&1; t
       && mkdir -p "$WHEELS" && mv "$WHEELS.tmp"/*.whl "$WHEELS"/ && rm -rf "$WHEELS.tmp" "$src" ) &
   build_pid=$!
 fi
+
+log "4/5 torch ($ACCEL)"
+# On a laptop, point TAE_TORCH_INDEX at https://download.pytorch.org/whl/cpu to get the
+# small CPU build; CI machines have it on disk already.
+"${PIP[@]}" -q "torch==$TORCH_VERSION" ${TAE_TORCH_INDEX:+--index-url "$TAE_TORCH_INDEX"}
 
 log "5/5 train-and-export and its pinned dependencies"
 # Everything but llama-cpp-python first (pip would build that one itself from the sdist, without the flags above).
