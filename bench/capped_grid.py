@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import json
 import math
 import os
@@ -231,12 +232,9 @@ def trial(cfg, out: Path, cap_gib: float | None, pages: bool = False) -> dict:
         torch.cuda.set_per_process_memory_fraction(min(1.0, cap_gib * GIB / total) if cap_gib else 1.0)
     t0 = time.perf_counter()
     row = {"cap_gib": round(cap_gib, 4) if cap_gib else None}
-    need = memory.page_need() if pages and cuda else None
+    need = memory.page_need() if pages else None  # no figure off CUDA (page_need says None there)
     try:
-        if need:
-            with need:
-                r = train.run(cfg, out)
-        else:
+        with need or contextlib.nullcontext():
             r = train.run(cfg, out)
         row |= {"ok": True, "steps": r.steps, "evals": len(r.eval_curve), "tokens_per_s": r.tokens_per_s}
     except Exception as e:  # the OOM a cap causes (TrainOOMError), or anything else: recorded, the row goes on
