@@ -43,7 +43,8 @@ from stages.train.kernels import resolve_auto
 PROBE_IF_UNDER = 1.1
 # The probe measures what one step on the worst micro-batch needs under a cap (capped_step_need); the whole run
 # needs up to 6% more (micro-batches of other widths before it leave live blocks where the worst one's pages
-# go; its evals and checkpoints), most on small models: fitted on 20 capped runs (bench/results/capped/pages_run1.json).
+# go; its evals and checkpoints), most on small models: fitted on 20 capped runs (bench/results/capped/pages_run1.json),
+# then validated unchanged on 32 (pages_run2/3/4_7b): 31 complete capped at it, 27 run out at 0.95x (docs/preflight.md).
 NEED_SCALE, NEED_PLUS_GIB = 1.045, 0.01
 CUDA_CONTEXT_GIB = 0.5      # typical CUDA context of a torch process; not in torch's counters (not measured here)
 
@@ -471,7 +472,7 @@ def headline(r: PreflightResult, cfg: RunConfig) -> str:
     if p and p.ok and r.need_gib:
         return (f"Preflight: {verdict}, measured: this run needs {r.need_gib:.2f} GiB on this GPU (one optimizer step on the worst "
                 f"micro-batch completed under a {p.step_need_gib:.2f} GiB cap and no lower, x {NEED_SCALE} + {NEED_PLUS_GIB} GiB for "
-                f"the rest of the run; a run capped there completes); {budget}. The estimate below, {r.estimate.total_gib:.2f} GiB, is "
+                f"the rest of the run: 31 of 32 benchmark runs capped there completed); {budget}. The estimate below, {r.estimate.total_gib:.2f} GiB, is "
                 f"from config.json alone: never under a capped run's need, up to 14% over it.")
     if p and p.ok:
         return (f"Preflight: {verdict}, measured: two real optimizer steps on the worst micro-batch ran under a {p.cap_gib:.2f} GiB cap, "
