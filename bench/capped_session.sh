@@ -13,4 +13,6 @@ fi
 python3 bench/capped_grid.py "${MODE:-need}" --rows ${ROWS:-all} --out "$OUT/${MODE:-need}.json" --parallel "${PARALLEL:-6}" --max-seconds "${SECS:-390}"
 wait
 tar -czf "$OUT/logs.tar.gz" -C /tmp/capped-grid --exclude models --exclude rows --exclude 'data-*' . 2>/dev/null
+# what was live when a capped run ran out (torch.cuda.memory_summary in each OOM post-mortem): a few KB per row
+(cd /tmp/capped-grid && find rows -name 'oom-postmortem-*.json' | tar -czf "$OUT/postmortems.tar.gz" -T -) 2>/dev/null
 ls -la "$OUT"
