@@ -3,6 +3,7 @@
     python3 bench/capped_grid.py need --rows F1 F2 ... --out $OUT/need.json --parallel 4 --max-seconds 420
     python3 bench/capped_grid.py validate --rows all --out $OUT/validate.json --parallel 4 --max-seconds 480
     python3 bench/capped_grid.py pages --rows all --out $OUT/pages.json --parallel 8 --max-seconds 480
+    python3 bench/capped_grid.py repeat --rows F10 F17 F18 H8 H10 --out $OUT/repeat.json --parallel 1 --max-seconds 480
     python3 bench/capped_grid.py validate --rows T1 T2 --out /tmp/v.json --cpu      # CPU dry run of the plumbing
 
 Each row is a user's run: a random-init checkpoint of a real model's shapes (memory depends on
@@ -22,6 +23,9 @@ instead of being recovered.
             at E must complete and capped at 0.95 E must fail.
   pages     the GPU's own figure (probe on): the need the probe measures (PreflightResult.need_gib: its bisected
             step need, scaled) checked the same way, with the whole stage's page figure recorded beside it.
+  repeat    the probe alone, three times in one process: how far its bisected step need moves between tries
+            (2-4.6% between device calls on the small rows); run with --parallel 1 and 8 to see whether a shared
+            GPU moves it.
 
 Rows run `--parallel` at a time, one process each (their own CUDA context and allocator); a row's line is
 appended to <out>.jsonl as it ends, so a call stopped by its time limit keeps what it measured.
@@ -266,7 +270,7 @@ def run_row(mode: str, name: str, work: Path, cpu: bool, deadline: float) -> dic
     model_dir = make_checkpoint(shape, work / "models", shapes())
     train_file, held = make_data(work, max_length, mb, packing == "on")
     row_dir = work / "rows" / name
-    cfg = row_config(name, model_dir, train_file, held, row_dir, cpu, probe=mode == "pages")
+    cfg = row_config(name, model_dir, train_file, held, row_dir, cpu, probe=mode in ("pages", "repeat"))
     spec = {"name": name, "shape": shape, "quant": quant, "packing": packing, "max_length": max_length, "micro_batch": mb,
             "r": r, "targets": targets, "held_out": name.startswith("H"), "config_json": json.loads((model_dir / "config.json").read_text())}
     pre = preflight.run(cfg, row_dir / "preflight", train_only=True)  # the train stage only: no export tools here
@@ -285,6 +289,12 @@ def run_row(mode: str, name: str, work: Path, cpu: bool, deadline: float) -> dic
     if not torch.cuda.is_available():  # CPU: the plumbing only
         go(None)
         return spec | {"trials": trials}
+    if mode == "repeat":  # the probe's own spread: the same bisection again, same process, same data
+        needs = [pre.probe and pre.probe.step_need_gib]
+        while len(needs) < 3 and time.time() < deadline:
+            again = preflight.run(cfg, row_dir / f"preflight-{len(needs)}", train_only=True).probe
+            needs.append(again and again.step_need_gib)
+        return spec | {"trials": trials, "step_needs_gib": needs}
     if mode == "pages":  # the GPU figure: the probe's step need, scaled (PreflightResult.need_gib), checked like the estimate
         p = pre.probe
         spec |= {"need_gib": pre.need_gib, "probe_pages_gib": p and p.pages_gib, "probe_build_pages_gib": p and p.build_pages_gib,
@@ -316,7 +326,7 @@ def run_row(mode: str, name: str, work: Path, cpu: bool, deadline: float) -> dic
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=["need", "validate", "pages"])
+    ap.add_argument("mode", choices=["need", "validate", "pages", "repeat"])
     ap.add_argument("--rows", nargs="+", required=True, help="row names, or all (every F and H row)")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--work", type=Path, default=Path("/tmp/capped-grid"))
