@@ -252,8 +252,9 @@ SMALL_BLOCK, SMALL_PAGE, LARGE_PAGE = 1 << 20, 2 << 20, 20 << 20
 def pages_touched_peak(live: dict[int, int], events: list[dict]) -> int:
     """Replay the allocator's events over the blocks `live` at the start (address -> size): the most bytes of
     pages that live blocks touched at one moment. Events are torch.cuda.memory._snapshot()'s device trace."""
+    live = dict(live)  # the caller's record stays as it was
     count: dict[tuple[int, int], int] = {}
-    mapped = peak = 0
+    mapped = 0
 
     def touch(addr: int, size: int, step: int) -> None:
         nonlocal mapped

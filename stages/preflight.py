@@ -162,7 +162,7 @@ def run(cfg: RunConfig, out_dir: Path, gpu_memory_gib: float | None = None, *, t
         # depends on the others: the probe (one process) cannot measure it, the train stage records each's peak.
         if on_gpu and cfg.preflight.probe and cfg.training.distributed != "fsdp" and est.total_gib <= PROBE_IF_UNDER * usable:
             result_probe = probe(cfg, lengths.max, usable, out_dir, lengths=lengths.longest, rows=lengths.planned or None)
-        fits = est.total_gib <= usable
+        fits, need = est.total_gib <= usable, None
         if result_probe:  # measured on this GPU: the probe's steps ran under the cap, and what the run needs fits it
             need = PreflightResult.need_of(result_probe)
             fits = result_probe.ok and (need is None or need <= usable)
@@ -180,7 +180,7 @@ def run(cfg: RunConfig, out_dir: Path, gpu_memory_gib: float | None = None, *, t
                if best else "no single change fits: combine QLoRA, a smaller micro-batch and a shorter max_length")
         what = (f"two real optimizer steps on the worst micro-batch ran out of memory under a {usable:.2f} GiB cap "
                 f"(estimate {est.total_gib:.2f} GiB; post-mortem {result_probe.postmortem})" if result_probe and not result_probe.ok
-                else f"the need measured on this GPU, {result.need_gib:.2f} GiB, exceeds what is usable" if result_probe
+                else f"the need measured on this GPU, {need:.2f} GiB, exceeds what is usable" if result_probe
                 else f"the estimated peak, {est.total_gib:.2f} GiB, exceeds")
         raise PreflightError(
             f"{what} for the worst micro-batch ({lengths.worst_batch_tokens} tokens, longest sample {lengths.longest_id}): "
