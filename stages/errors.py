@@ -14,7 +14,9 @@ import errno
 import logging
 import os
 import shutil
+import signal
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -144,12 +146,35 @@ def as_user_error(err: BaseException) -> UserError | None:
     return None
 
 
+# Ctrl-C as state as well as an exception: Python raises KeyboardInterrupt in whatever Python code the main thread
+# runs next, and when that is a finalizer (a __del__ or weakref callback run by the garbage collector mid-step) it
+# prints "Exception ignored" and drops it: the run went on training (a suite run's Ctrl-C test hung this way).
+# Loops that run long check the flag at each step (check_interrupted), so a lost exception is raised again there.
+INTERRUPTED = threading.Event()
+
+
+def _on_sigint(signum, frame) -> None:
+    INTERRUPTED.set()
+    signal.default_int_handler(signum, frame)
+
+
+def check_interrupted() -> None:
+    """Raise KeyboardInterrupt if Ctrl-C came and its exception was lost; called between training steps."""
+    if INTERRUPTED.is_set():
+        raise KeyboardInterrupt
+
+
 def run_cli(main: Callable[[], object], prog: str, resume: str | None = None) -> int:
     """Run an entry point: 0 when it returns, 2 with one line for a user error, 130 on Ctrl-C.
 
     Args:
         resume: how to pick the run up again, said after Ctrl-C.
     """
+    # only where Python's own Ctrl-C handler is in place (not where SIGINT is ignored, or another handler owns it)
+    ours = threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    if ours:
+        INTERRUPTED.clear()
+        signal.signal(signal.SIGINT, _on_sigint)
     try:
         main()
         return 0
@@ -162,6 +187,9 @@ def run_cli(main: Callable[[], object], prog: str, resume: str | None = None) ->
             raise
         print(f"\n{prog} stopped: {type(user).__name__}: {user}", file=sys.stderr)
         return 2
+    finally:
+        if ours:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 class _NoUserErrorTracebacks(logging.Filter):

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from transformers import TrainerCallback
 
-from stages import memory
+from stages import errors, memory
 from stages.config import RunConfig
 from stages.modelio import compute_dtype, device
 from stages.train import eval_loss, kernels, sharding
@@ -188,7 +188,7 @@ def make_trainer(cfg: RunConfig, model, train_rows, collator, out_dir: Path,
     return StageTrainer(
         model=model, args=args, train_dataset=train_rows, eval_dataset=eval_items if every else None,
         data_collator=collator,
-        callbacks=[MemoryCallback(out_dir / "memory_steps.jsonl", memory_sinks), *stop_early, *(callbacks or [])],
+        callbacks=[Interruptible(), MemoryCallback(out_dir / "memory_steps.jsonl", memory_sinks), *stop_early, *(callbacks or [])],
     )
 
 
@@ -222,6 +222,17 @@ def forget_optimizer_overrides(model) -> None:
     manager = bnb_optim.GlobalOptimManager.get_instance()
     mine = {id(m) for m in model.modules()}
     manager.module_weight_config_triple = [t for t in manager.module_weight_config_triple if id(t[0]) not in mine]
+
+
+class Interruptible(TrainerCallback):
+    """A Ctrl-C whose KeyboardInterrupt a finalizer swallowed still stops training, at the next micro-batch
+    (stages/errors.py check_interrupted)."""
+
+    def on_substep_end(self, args, state, control, **kwargs):
+        errors.check_interrupted()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        errors.check_interrupted()
 
 
 class MemoryCallback(TrainerCallback):
