@@ -23,6 +23,8 @@ instead of being recovered.
             at E must complete and capped at 0.95 E must fail.
   pages     the GPU's own figure (probe on): the need the probe measures (PreflightResult.need_gib: its bisected
             step need, scaled) checked the same way, with the whole stage's page figure recorded beside it.
+  bracket   the whole stage's need bisected (as `need`, from 1.09x the probe's step need down, 0.5% apart), beside every
+            figure the probe measures (its step need, its mini-run's need): which of them a constant can scale into the band.
   repeat    the probe alone, three times in one process: how far its bisected step need moves between tries
             (2-4.6% between device calls on the small rows); run with --parallel 1 and 8 to see whether a shared
             GPU moves it.
@@ -249,6 +251,9 @@ def trial(cfg, out: Path, cap_gib: float | None, pages: bool = False) -> dict:
         gc.collect()
         if cuda:
             torch.cuda.set_per_process_memory_fraction(1.0)
+    for pm in sorted(out.glob("oom-postmortem-*.json")):  # where it ran out: a training step or an eval pass
+        report = json.loads(pm.read_text())
+        row |= {"oom_step": report.get("step"), "oom_phase": report.get("phase")}
     mem = json.loads((out / "memory.json").read_text()) if (out / "memory.json").is_file() else {}
     row |= {k: mem.get(k) for k in ("peak_alloc_gib", "peak_reserved_gib")} | {"seconds": round(time.perf_counter() - t0, 1)}
     if need and need.gib:
@@ -270,7 +275,7 @@ def run_row(mode: str, name: str, work: Path, cpu: bool, deadline: float) -> dic
     model_dir = make_checkpoint(shape, work / "models", shapes())
     train_file, held = make_data(work, max_length, mb, packing == "on")
     row_dir = work / "rows" / name
-    cfg = row_config(name, model_dir, train_file, held, row_dir, cpu, probe=mode in ("pages", "repeat"))
+    cfg = row_config(name, model_dir, train_file, held, row_dir, cpu, probe=mode in ("pages", "repeat", "bracket"))
     spec = {"name": name, "shape": shape, "quant": quant, "packing": packing, "max_length": max_length, "micro_batch": mb,
             "r": r, "targets": targets, "held_out": name.startswith("H"), "config_json": json.loads((model_dir / "config.json").read_text())}
     pre = preflight.run(cfg, row_dir / "preflight", train_only=True)  # the train stage only: no export tools here
@@ -289,6 +294,31 @@ def run_row(mode: str, name: str, work: Path, cpu: bool, deadline: float) -> dic
     if not torch.cuda.is_available():  # CPU: the plumbing only
         go(None)
         return spec | {"trials": trials}
+    if mode == "bracket":  # the run's need bisected beside every figure the probe has, for choosing between them
+        p = pre.probe
+        spec |= {"need_gib": pre.need_gib, "probe_step_need_gib": p and p.step_need_gib, "probe_sequence_need_gib": p and p.sequence_need_gib,
+                 "probe_pages_gib": p and p.pages_gib, "probe_build_pages_gib": p and p.build_pages_gib,
+                 "probe_seconds": pre.memory.wall_s if pre.memory else None}
+        if not (p and p.step_need_gib):
+            return spec | {"trials": trials, "error": f"no step need from the probe ({p and p.error})"}
+        step = p.step_need_gib
+        lo, hi, fail, need = 0.95 * step, 1.09 * step, None, None
+        if go(hi)["ok"]:
+            need = hi
+        else:  # over 9%: one look further up, then the bracket is what it is
+            lo = fail = hi
+            hi = 1.2 * step
+            if time.time() < deadline and go(hi)["ok"]:
+                need = hi
+        for _ in range(5):
+            if need is None or time.time() > deadline:
+                break
+            mid = (lo + hi) / 2
+            if go(mid)["ok"]:
+                hi = need = mid
+            else:
+                lo = fail = mid
+        return spec | {"trials": trials, "run_need_gib": need and round(need, 4), "run_fail_gib": fail and round(fail, 4)}
     if mode == "repeat":  # the probe's own spread: the same bisection again, same process, same data
         needs = [pre.probe and pre.probe.step_need_gib]
         while len(needs) < 3 and time.time() < deadline:
@@ -326,7 +356,7 @@ def run_row(mode: str, name: str, work: Path, cpu: bool, deadline: float) -> dic
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=["need", "validate", "pages", "repeat"])
+    ap.add_argument("mode", choices=["need", "validate", "pages", "repeat", "bracket"])
     ap.add_argument("--rows", nargs="+", required=True, help="row names, or all (every F and H row)")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--work", type=Path, default=Path("/tmp/capped-grid"))
@@ -382,7 +412,7 @@ def main() -> None:
                                  "torch": torch.__version__, "checkpoint_seconds": made, "exit_codes": codes,
                                  "wall_s": round(time.perf_counter() - t0, 1), "rows": results}, indent=1))
     for r in results:
-        keep = ("need_gib", "fail_gib", "alloc_gib", "reserved_gib", "estimate_gib", "probe_pages_gib", "probe_step_need_gib", "completes_at_estimate",
+        keep = ("need_gib", "fail_gib", "run_need_gib", "run_fail_gib", "probe_sequence_need_gib", "alloc_gib", "reserved_gib", "estimate_gib", "probe_pages_gib", "probe_step_need_gib", "completes_at_estimate",
                 "completes_at_need", "fails_below", "error")
         print(r.get("name"), {k: r.get(k) for k in keep if k in r})
 
