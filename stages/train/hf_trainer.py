@@ -188,8 +188,7 @@ def make_trainer(cfg: RunConfig, model, train_rows, collator, out_dir: Path,
     return StageTrainer(
         model=model, args=args, train_dataset=train_rows, eval_dataset=eval_items if every else None,
         data_collator=collator,
-        callbacks=[Interruptible(), MemoryCallback(out_dir / "memory_steps.jsonl", memory_sinks),
-                   *([CompactBetweenSteps()] if on_gpu else []), *stop_early, *(callbacks or [])],
+        callbacks=[Interruptible(), MemoryCallback(out_dir / "memory_steps.jsonl", memory_sinks), *stop_early, *(callbacks or [])],
     )
 
 
@@ -234,21 +233,6 @@ class Interruptible(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         errors.check_interrupted()
-
-
-class CompactBetweenSteps(TrainerCallback):
-    """Every optimizer step, eval pass and checkpoint starts from an emptied CUDA cache: the free pages the
-    last one left mapped are given back, so where this step's blocks go depends on what is live, not on the
-    history of the blocks freed before it. That is the condition the preflight's probe measures a step's need
-    under (each of its tries starts emptied); without it the run's need wandered 2-5% either side of the
-    probe's on the same data (bench/results/capped/bracket_run1.json). Under expandable segments it costs
-    unmapping and remapping the step's pages, a few ms a step."""
-
-    def on_step_begin(self, args, state, control, **kwargs):
-        torch.cuda.empty_cache()
-
-    def on_step_end(self, args, state, control, **kwargs):
-        torch.cuda.empty_cache()  # before the eval and the checkpoint that may follow
 
 
 class MemoryCallback(TrainerCallback):
