@@ -4,6 +4,9 @@
     python3 bench/capped_grid.py validate --rows all --out $OUT/validate.json --parallel 4 --max-seconds 480
     python3 bench/capped_grid.py pages --rows all --out $OUT/pages.json --parallel 8 --max-seconds 480
     python3 bench/capped_grid.py repeat --rows F10 F17 F18 H8 H10 --out $OUT/repeat.json --parallel 1 --max-seconds 480
+    python3 bench/capped_grid.py bracket --rows H12 F10 F17 F18 H8 H10 F13 H5 H15 H4 --out $OUT/bracket.json --parallel 10 --max-seconds 440
+    python3 bench/capped_grid.py spread --rows F18 F10 F17 H8 H15 F13 --from bench/results/capped/bracket_run1.json --repeats 3 \
+        --out $OUT/spread.json --parallel 14 --max-seconds 300
     python3 bench/capped_grid.py validate --rows T1 T2 --out /tmp/v.json --cpu      # CPU dry run of the plumbing
 
 Each row is a user's run: a random-init checkpoint of a real model's shapes (memory depends on
@@ -23,8 +26,11 @@ instead of being recovered.
             at E must complete and capped at 0.95 E must fail.
   pages     the GPU's own figure (probe on): the need the probe measures (PreflightResult.need_gib: its bisected
             step need, scaled) checked the same way, with the whole stage's page figure recorded beside it.
-  bracket   the whole stage's need bisected (as `need`, from 1.09x the probe's step need down, 0.5% apart), beside every
-            figure the probe measures (its step need, its mini-run's need): which of them a constant can scale into the band.
+  bracket   the whole stage's need bisected (as `need`, from 1.09x the probe's step need down, 0.5% apart), beside the
+            probe's figures: how far apart the two are, row by row.
+  spread    the same run at the same cap in separate fresh processes (--repeats each), at 3 caps around a bracket's
+            boundary (--from a bracket JSON: 1.5% under its largest failing cap, between, 1.5% over its smallest
+            completing one): whether the need is one number at all.
   repeat    the probe alone, three times in one process: how far its bisected step need moves between tries
             (2-4.6% between device calls on the small rows); run with --parallel 1 and 8 to see whether a shared
             GPU moves it.
@@ -264,6 +270,25 @@ def trial(cfg, out: Path, cap_gib: float | None, pages: bool = False) -> dict:
     return row
 
 
+def spread_job(name: str, cap: float, rep: int, work: Path, cpu: bool) -> dict:
+    """One fresh process, one run of the row's train stage capped at `cap` (no preflight, no probe before it)."""
+    from preflight_grid import make_checkpoint
+
+    shape, quant, packing, max_length, mb, r, targets = ROWS[name]
+    model_dir = make_checkpoint(shape, work / "models", shapes())
+    train_file, held = make_data(work, max_length, mb, packing == "on")
+    job_dir = work / "rows" / f"{name}-{cap:.4f}-{rep}"
+    cfg = row_config(name, model_dir, train_file, held, job_dir, cpu)
+    t = trial(cfg, job_dir / "train", None if cpu else cap)
+    return t | {"name": name, "cap_gib": round(cap, 4), "rep": rep}  # cpu: the cap named, none applied (t's cap_gib)
+
+
+def spread_caps(bracket: dict) -> list[float]:
+    """1.5% under the bracket's largest failing cap, the middle, 1.5% over its smallest completing one."""
+    lo, hi = bracket["run_fail_gib"], bracket["run_need_gib"]
+    return [round(c, 4) for c in (0.985 * lo, (lo + hi) / 2, 1.015 * hi)]
+
+
 def run_row(mode: str, name: str, work: Path, cpu: bool, deadline: float) -> dict:
     import torch
 
@@ -296,7 +321,7 @@ def run_row(mode: str, name: str, work: Path, cpu: bool, deadline: float) -> dic
         return spec | {"trials": trials}
     if mode == "bracket":  # the run's need bisected beside every figure the probe has, for choosing between them
         p = pre.probe
-        spec |= {"need_gib": pre.need_gib, "probe_step_need_gib": p and p.step_need_gib, "probe_sequence_need_gib": p and p.sequence_need_gib,
+        spec |= {"need_gib": pre.need_gib, "probe_step_need_gib": p and p.step_need_gib,
                  "probe_pages_gib": p and p.pages_gib, "probe_build_pages_gib": p and p.build_pages_gib,
                  "probe_seconds": pre.memory.wall_s if pre.memory else None}
         if not (p and p.step_need_gib):
@@ -356,7 +381,11 @@ def run_row(mode: str, name: str, work: Path, cpu: bool, deadline: float) -> dic
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=["need", "validate", "pages", "repeat", "bracket"])
+    ap.add_argument("mode", choices=["need", "validate", "pages", "repeat", "bracket", "spread"])
+    ap.add_argument("--from", dest="source", type=Path, help="spread: the bracket JSON whose boundaries it tests")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--cap", type=float, help=argparse.SUPPRESS)
+    ap.add_argument("--rep", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--rows", nargs="+", required=True, help="row names, or all (every F and H row)")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--work", type=Path, default=Path("/tmp/capped-grid"))
@@ -370,7 +399,8 @@ def main() -> None:
     lines = a.out.with_suffix(".jsonl")
     if a.child:
         try:
-            result = run_row(a.mode, a.child, a.work, a.cpu, a.deadline)
+            result = (spread_job(a.child, a.cap, a.rep, a.work, a.cpu) if a.mode == "spread"
+                      else run_row(a.mode, a.child, a.work, a.cpu, a.deadline))
         except Exception as e:
             import traceback
 
@@ -394,25 +424,40 @@ def main() -> None:
     print(f"checkpoints: {made}", flush=True)
     env = os.environ | {"OMP_NUM_THREADS": "2", "TOKENIZERS_PARALLELISM": "false"}
 
-    def child(name: str) -> int:
+    jobs = [(n, None, None) for n in rows]
+    if a.mode == "spread":  # every (row, cap) --repeats times, the repeats of one cap far apart in the queue
+        brackets = {r["name"]: r for r in json.loads(a.source.read_text())["rows"]}
+        jobs = [(n, c, k) for k in range(a.repeats) for n in rows for c in spread_caps(brackets[n])]
+
+    def child(job) -> int:
+        name, cap, rep = job
         if time.time() > deadline:
             return -1
         cmd = [sys.executable, __file__, a.mode, "--rows", name, "--out", str(a.out), "--work", str(a.work), "--child", name,
-               "--deadline", str(deadline)] + (["--cpu"] if a.cpu else [])
-        with (a.work / f"{name}.log").open("w") as log:
+               "--deadline", str(deadline)] + (["--cpu"] if a.cpu else []) + ([] if cap is None else ["--cap", str(cap), "--rep", str(rep)])
+        tag = name if cap is None else f"{name}-{cap:.4f}-{rep}"
+        with (a.work / f"{tag}.log").open("w") as log:
             try:
                 return subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=max(30, deadline - time.time() + 90)).returncode
             except subprocess.TimeoutExpired:
                 return -2
 
     with concurrent.futures.ThreadPoolExecutor(a.parallel) as pool:
-        codes = dict(zip(rows, pool.map(child, rows), strict=True))
+        codes = {"/".join(str(x) for x in job if x is not None): code for job, code in zip(jobs, pool.map(child, jobs), strict=True)}
     results = [json.loads(x) for x in lines.read_text().splitlines()] if lines.is_file() else []
     a.out.write_text(json.dumps({"mode": a.mode, "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                                  "torch": torch.__version__, "checkpoint_seconds": made, "exit_codes": codes,
                                  "wall_s": round(time.perf_counter() - t0, 1), "rows": results}, indent=1))
+    if a.mode == "spread":  # outcomes per (row, cap): the same run, the same cap, fresh processes
+        by: dict = {}
+        for r in results:
+            by.setdefault((r["name"], r.get("cap_gib")), []).append(r.get("ok"))
+        summary = [{"name": n, "cap_gib": c, "outcomes": v} for (n, c), v in sorted(by.items(), key=lambda x: (x[0][0], x[0][1] or 0))]
+        data = json.loads(a.out.read_text())
+        a.out.write_text(json.dumps(data | {"summary": summary}, indent=1))
+        results = summary
     for r in results:
-        keep = ("need_gib", "fail_gib", "run_need_gib", "run_fail_gib", "probe_sequence_need_gib", "alloc_gib", "reserved_gib", "estimate_gib", "probe_pages_gib", "probe_step_need_gib", "completes_at_estimate",
+        keep = ("need_gib", "fail_gib", "run_need_gib", "run_fail_gib", "cap_gib", "outcomes", "alloc_gib", "reserved_gib", "estimate_gib", "probe_pages_gib", "probe_step_need_gib", "completes_at_estimate",
                 "completes_at_need", "fails_below", "error")
         print(r.get("name"), {k: r.get(k) for k in keep if k in r})
 

@@ -81,7 +81,6 @@ class ProbeResult:
     pages_gib: float | None = None        # the two steps: the most allocator pages live blocks touched at once (memory.page_need)
     build_pages_gib: float | None = None  # the same over the model build
     step_need_gib: float | None = None    # the smallest cap one more step completes under (capped_step_need)
-    sequence_need_gib: float | None = None  # the smallest cap a mini-run (narrower step, worst, eval, checkpoint, worst) completes under
 
 
 @dataclass
@@ -192,7 +191,7 @@ def run(cfg: RunConfig, out_dir: Path, gpu_memory_gib: float | None = None, *, t
 
 
 def probe(cfg: RunConfig, worst_len: int, cap_gib: float, out_dir: Path, model=None, lengths: list[int] | None = None,
-          rows: list[int] | None = None, descend: bool = True, sequence: bool = True) -> ProbeResult:
+          rows: list[int] | None = None, descend: bool = True) -> ProbeResult:
     """Two real optimizer steps on the worst micro-batch, built exactly as training builds it,
     with the process capped at `cap_gib` (torch.cuda.set_per_process_memory_fraction).
 
@@ -205,7 +204,6 @@ def probe(cfg: RunConfig, worst_len: int, cap_gib: float, out_dir: Path, model=N
             None builds it here, which is what preflight does.
         rows: packed, the row lengths of the micro-batch to probe (the run's heaviest planned one), as they are.
         descend: after the two steps, find the smallest cap a step completes under (capped_step_need): the need.
-        sequence: then the smallest cap a mini-run around the worst micro-batch completes under (sequence_trainer).
     """
     import torch
 
@@ -223,7 +221,7 @@ def probe(cfg: RunConfig, worst_len: int, cap_gib: float, out_dir: Path, model=N
     torch.cuda.set_per_process_memory_fraction(min(1.0, cap_gib * GIB / total))
     torch.cuda.reset_peak_memory_stats()
     built, trainer = model is None, None
-    built_pages, step_pages, need, run_need, build_peaks = memory.page_need(), memory.page_need(), None, None, None
+    built_pages, step_pages, need, build_peaks = memory.page_need(), memory.page_need(), None, None
     try:
         with built_pages:
             if built:
@@ -248,11 +246,6 @@ def probe(cfg: RunConfig, worst_len: int, cap_gib: float, out_dir: Path, model=N
             trainer.train()
         if descend and step_pages.gib:
             need = capped_step_need(trainer, torch.cuda.max_memory_allocated() / GIB, step_pages.gib, total, cap_gib)
-        if descend and sequence and need:
-            release(trainer)
-            trainer = sequence_trainer(cfg, model, batch, packed, vocab, out_dir / "probe-sequence",
-                                       evaluates=bool(data.eval_samples(cfg)))
-            run_need = capped_need(trainer, need * 0.97, need * 1.08, total, cap_gib)
         ok, error, postmortem = True, None, None
     except torch.OutOfMemoryError as e:
         ok, error = False, str(e).split("\n")[0][:300]
@@ -269,79 +262,11 @@ def probe(cfg: RunConfig, worst_len: int, cap_gib: float, out_dir: Path, model=N
         memory.free_gpu()
         torch.cuda.set_per_process_memory_fraction(1.0)
     return ProbeResult(ok, round(peak_reserved, 4), round(peak_alloc, 4), round(cap_gib, 3), batch, postmortem, error,
-                       pages_gib=_r4(step_pages.gib), build_pages_gib=_r4(built_pages.gib), step_need_gib=_r4(need),
-                       sequence_need_gib=_r4(run_need))
+                       pages_gib=_r4(step_pages.gib), build_pages_gib=_r4(built_pages.gib), step_need_gib=_r4(need))
 
 
 def _r4(x: float | None) -> float | None:
     return None if x is None else round(x, 4)
-
-
-def sequence_trainer(cfg: RunConfig, model, batch: list[int], packed: bool, vocab: int, out_dir: Path, evaluates: bool = True):
-    """A Trainer for a mini-run of what the run does around its worst micro-batch, for capped_need: a narrower
-    micro-batch (3/5 of each row) first, whose blocks sit where the worst one's would go; the worst; an eval pass
-    over the worst micro-batch's rows and a checkpoint, with what they leave live (where the run evaluates); the
-    worst again. One step at a time, as the probe's."""
-    import torch
-
-    from stages.train import batches, kernels
-    from stages.train.hf_trainer import make_trainer
-
-    gen = torch.Generator().manual_seed(1)
-
-    def rows_of(lengths: list[int]) -> list[dict]:
-        ids = [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in lengths]
-        return [{"input_ids": x, "labels": x} for x in ids]
-
-    steps = [[max(1, n * 3 // 5) for n in batch], list(batch), list(batch)]
-    rows = [r for s in steps for r in rows_of(s)]
-    if packed:
-        starts = [sum(map(len, steps[:k])) for k in range(len(steps))]
-        train_data = packing.PackedRows(rows, [list(range(a, a + len(s))) for a, s in zip(starts, steps, strict=True)])
-        collator = batches.PackedCollator(varlen=kernels.packed_attention(cfg) == "varlen")
-    else:
-        train_data, collator = rows, batches.Collator(0)
-    every = dict(eval_strategy="steps", eval_steps=2) if evaluates else dict(eval_strategy="no")
-    return make_trainer(
-        cfg, model, train_data, collator, out_dir, eval_rows=rows_of(batch) if evaluates else None, max_steps=len(steps),
-        gradient_accumulation_steps=1, train_sampling_strategy="sequential", save_strategy="steps", save_steps=2,
-        save_total_limit=1, logging_steps=1000, disable_tqdm=True, logging_first_step=False,
-        **every)
-
-
-def capped_need(trainer, lo: float, hi: float, total: int, cap_gib: float, tries: int = 6) -> float | None:
-    """The smallest cap (GiB) under which `trainer.train()` completes, by bisection between `lo` and `hi` (raised
-    until it completes). Each try starts from an emptied cache, as a capped run's allocator is after it gave its
-    free pages back; an OOM's frames are dropped before the next. None if it does not complete under `cap_gib`."""
-    import shutil
-    import traceback
-
-    import torch
-
-    def completes(cap: float) -> bool:
-        memory.free_gpu()
-        torch.cuda.set_per_process_memory_fraction(min(1.0, cap * GIB / total))
-        try:
-            trainer.train()
-            return True
-        except torch.OutOfMemoryError as e:
-            traceback.clear_frames(e.__traceback__)
-            return False
-        finally:
-            trainer.model.zero_grad(set_to_none=True)
-            if trainer.offload is not None:
-                trainer.offload.reset()
-            shutil.rmtree(trainer.args.output_dir, ignore_errors=True)
-
-    completes(cap_gib)  # once uncapped first: the optimizer's states and the kernels' workspaces exist before any try
-    while not completes(hi):
-        if hi >= cap_gib:
-            return None
-        lo, hi = hi, min(cap_gib, hi * 1.05)
-    for _ in range(tries):
-        mid = (lo + hi) / 2
-        lo, hi = (lo, mid) if completes(mid) else (mid, hi)
-    return hi
 
 
 def capped_step_need(trainer, lo: float, hi: float, total: int, cap_gib: float, tries: int = 6) -> float | None:

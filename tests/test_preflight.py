@@ -251,28 +251,3 @@ def test_an_eval_sample_longer_than_every_training_one_sizes_the_worst_step(tmp_
     packed = load_config(write_config(tmp_path, data={"eval_file": str(ev)}, training={"packing": "on", "max_tokens_per_batch": 30}))
     with pytest.raises(ConfigError, match=rf"shorter than the longest eval sample \({r.lengths.max} tokens, {ev}:101\); set it to at least"):
         preflight.run(packed, tmp_path / "r")
-
-
-@pytest.mark.parametrize("packing", ["off", "on"])
-def test_the_probe_mini_run_trains_evaluates_and_checkpoints_around_the_worst_micro_batch(tmp_path, packing):
-    """What capped_need bisects on a GPU, run here uncapped on the tiny model: a narrower micro-batch, the worst, an
-    eval over the worst's rows and a checkpoint, the worst again; the same Trainer twice (as each bisection try does)."""
-    from stages.train import model as lora_model
-
-    c = load_config(write_config(tmp_path, training={"packing": packing, "per_device_train_batch_size": 2, "eval_steps": 5}))
-    model = lora_model.build_model(c, 40)
-    batch = [40, 39] if packing == "off" else [40, 24]
-    trainer = preflight.sequence_trainer(c, model, batch, packing == "on", model.get_input_embeddings().num_embeddings,
-                                         tmp_path / "seq")
-    widths = []
-    trainer.data_collator = lambda rows, inner=trainer.data_collator: widths.append(inner(rows)["input_ids"].shape) or inner(rows)
-    for _ in range(2):
-        trainer.train()
-        assert trainer.state.global_step == 3
-        assert [e["step"] for e in trainer.state.log_history if "eval_loss" in e][-2:] == [2, 3]  # and at the end, as a run
-        assert [p.name for p in (tmp_path / "seq" / "checkpoints").glob("checkpoint-*/adapter_model.safetensors")] == [
-            "adapter_model.safetensors"]  # saved at step 2, then at the end (one kept)
-    tokens = [s.numel() for s in widths[:3]]
-    assert tokens[0] < tokens[1] == tokens[2]  # the narrower micro-batch first, then the worst twice
-    if packing == "off":
-        assert widths[0][1] == 24 and widths[1][1] == 40
