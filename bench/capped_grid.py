@@ -30,7 +30,8 @@ instead of being recovered.
             probe's figures: how far apart the two are, row by row.
   spread    the same run at the same cap in separate fresh processes (--repeats each), at 3 caps around a bracket's
             boundary (--from a bracket JSON: 1.5% under its largest failing cap, between, 1.5% over its smallest
-            completing one): whether the need is one number at all.
+            completing one) or at --caps: whether the need is one number at all. --set KEY=VALUE changes every
+            run's config (a control: training.offload_activations=off).
   repeat    the probe alone, three times in one process: how far its bisected step need moves between tries
             (2-4.6% between device calls on the small rows); run with --parallel 1 and 8 to see whether a shared
             GPU moves it.
@@ -270,8 +271,10 @@ def trial(cfg, out: Path, cap_gib: float | None, pages: bool = False) -> dict:
     return row
 
 
-def spread_job(name: str, cap: float, rep: int, work: Path, cpu: bool) -> dict:
-    """One fresh process, one run of the row's train stage capped at `cap` (no preflight, no probe before it)."""
+def spread_job(name: str, cap: float, rep: int, work: Path, cpu: bool, overrides: list[str] = ()) -> dict:
+    """One fresh process, one run of the row's train stage capped at `cap` (no preflight, no probe before it).
+    `overrides`: KEY=VALUE config changes (e.g. training.offload_activations=off, a control)."""
+    import yaml
     from preflight_grid import make_checkpoint
 
     shape, quant, packing, max_length, mb, r, targets = ROWS[name]
@@ -279,8 +282,13 @@ def spread_job(name: str, cap: float, rep: int, work: Path, cpu: bool) -> dict:
     train_file, held = make_data(work, max_length, mb, packing == "on")
     job_dir = work / "rows" / f"{name}-{cap:.4f}-{rep}"
     cfg = row_config(name, model_dir, train_file, held, job_dir, cpu)
+    for item in overrides:
+        key, value = item.split("=", 1)
+        section, field = key.split(".")
+        cfg = cfg.model_copy(update={section: getattr(cfg, section).model_copy(update={field: yaml.safe_load(value)})})
     t = trial(cfg, job_dir / "train", None if cpu else cap)
-    return t | {"name": name, "cap_gib": round(cap, 4), "rep": rep}  # cpu: the cap named, none applied (t's cap_gib)
+    # cpu: the cap named, none applied (t's cap_gib)
+    return t | {"name": name, "cap_gib": round(cap, 4), "rep": rep, "overrides": list(overrides)}
 
 
 def spread_caps(bracket: dict) -> list[float]:
@@ -384,6 +392,8 @@ def main() -> None:
     ap.add_argument("mode", choices=["need", "validate", "pages", "repeat", "bracket", "spread"])
     ap.add_argument("--from", dest="source", type=Path, help="spread: the bracket JSON whose boundaries it tests")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--caps", type=float, nargs="+", help="spread: these caps (GiB) for every row instead of --from's")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="spread: a config change for every run")
     ap.add_argument("--cap", type=float, help=argparse.SUPPRESS)
     ap.add_argument("--rep", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--rows", nargs="+", required=True, help="row names, or all (every F and H row)")
@@ -399,7 +409,7 @@ def main() -> None:
     lines = a.out.with_suffix(".jsonl")
     if a.child:
         try:
-            result = (spread_job(a.child, a.cap, a.rep, a.work, a.cpu) if a.mode == "spread"
+            result = (spread_job(a.child, a.cap, a.rep, a.work, a.cpu, a.set) if a.mode == "spread"
                       else run_row(a.mode, a.child, a.work, a.cpu, a.deadline))
         except Exception as e:
             import traceback
@@ -426,8 +436,8 @@ def main() -> None:
 
     jobs = [(n, None, None) for n in rows]
     if a.mode == "spread":  # every (row, cap) --repeats times, the repeats of one cap far apart in the queue
-        brackets = {r["name"]: r for r in json.loads(a.source.read_text())["rows"]}
-        jobs = [(n, c, k) for k in range(a.repeats) for n in rows for c in spread_caps(brackets[n])]
+        brackets = {r["name"]: r for r in json.loads(a.source.read_text())["rows"]} if a.source else {}
+        jobs = [(n, c, k) for k in range(a.repeats) for n in rows for c in (a.caps or spread_caps(brackets[n]))]
 
     def child(job) -> int:
         name, cap, rep = job
@@ -435,6 +445,7 @@ def main() -> None:
             return -1
         cmd = [sys.executable, __file__, a.mode, "--rows", name, "--out", str(a.out), "--work", str(a.work), "--child", name,
                "--deadline", str(deadline)] + (["--cpu"] if a.cpu else []) + ([] if cap is None else ["--cap", str(cap), "--rep", str(rep)])
+        cmd += [x for item in a.set for x in ("--set", item)]
         tag = name if cap is None else f"{name}-{cap:.4f}-{rep}"
         with (a.work / f"{tag}.log").open("w") as log:
             try:
