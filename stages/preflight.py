@@ -472,8 +472,9 @@ def headline(r: PreflightResult, cfg: RunConfig) -> str:
     if p and p.ok and r.need_gib:
         return (f"Preflight: {verdict}, measured: this run needs {r.need_gib:.2f} GiB on this GPU (one optimizer step on the worst "
                 f"micro-batch completed under a {p.step_need_gib:.2f} GiB cap and no lower, x {NEED_SCALE} + {NEED_PLUS_GIB} GiB for "
-                f"the rest of the run: 31 of 32 benchmark runs capped there completed); {budget}. The estimate below, {r.estimate.total_gib:.2f} GiB, is "
-                f"from config.json alone: never under a capped run's need, up to 14% over it.")
+                f"the rest of the run: 31 of 32 benchmark runs capped there completed; one configuration's need moves ~2% from run to run, "
+                f"inside the margin); {budget}. The estimate below, {r.estimate.total_gib:.2f} GiB, is from config.json alone: all 32 benchmark "
+                f"runs capped at it completed, 2-12% over what they needed (31% on a 0.4 GiB model).")
     if p and p.ok:
         return (f"Preflight: {verdict}, measured: two real optimizer steps on the worst micro-batch ran under a {p.cap_gib:.2f} GiB cap, "
                 f"peak {p.peak_alloc_gib:.2f} GiB allocated / {p.peak_reserved_gib:.2f} GiB reserved; {budget}. "
