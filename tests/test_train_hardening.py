@@ -252,7 +252,12 @@ def test_a_ctrl_c_whose_exception_a_finalizer_swallowed_still_stops_training(tmp
     monkeypatch.setattr(hf_trainer.MemoryCallback, "on_step_end", on_step_end)
     monkeypatch.setattr(sys, "unraisablehook", lambda u: lost.append(u.exc_type))  # where Python drops it
     cfg = load_config(write_config(tmp_path, training=SHORT | {"max_steps": 40, "save_steps": 100}))
-    assert errors.run_cli(lambda: train.run(cfg, tmp_path / "train"), "train") == 130
+    # a terminal's Ctrl-C: Python's own handler in place (a suite started with `pytest &` inherits SIGINT ignored)
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        assert errors.run_cli(lambda: train.run(cfg, tmp_path / "train"), "train") == 130
+    finally:
+        signal.signal(signal.SIGINT, before)
     assert lost == [KeyboardInterrupt]  # the exception really was lost in the finalizer
     steps = [json.loads(x)["step"] for x in (tmp_path / "train" / "memory_steps.jsonl").read_text().splitlines()]
     assert max(steps) <= 4, steps
