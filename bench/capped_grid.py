@@ -297,6 +297,21 @@ def spread_caps(bracket: dict) -> list[float]:
     return [round(c, 4) for c in (0.985 * lo, (lo + hi) / 2, 1.015 * hi)]
 
 
+def bisect_cap(go, lo: float, hi: float, need: float | None, fail: float | None, tries: int, deadline: float,
+               finer_than: float = 0.0) -> tuple[float | None, float | None]:
+    """Halve [lo, hi] `tries` times with go(cap) (a trial: its "ok"); returns (smallest cap seen completing, largest
+    seen failing). Stops early past the deadline, once hi - lo < finer_than x hi, or with no completing cap to start from."""
+    for _ in range(tries):
+        if need is None or time.time() > deadline or hi - lo < finer_than * hi:
+            break
+        mid = (lo + hi) / 2
+        if go(mid)["ok"]:
+            hi = need = mid
+        else:
+            lo = fail = mid
+    return need, fail
+
+
 def run_row(mode: str, name: str, work: Path, cpu: bool, deadline: float) -> dict:
     import torch
 
@@ -327,7 +342,7 @@ def run_row(mode: str, name: str, work: Path, cpu: bool, deadline: float) -> dic
     if not torch.cuda.is_available():  # CPU: the plumbing only
         go(None)
         return spec | {"trials": trials}
-    if mode == "bracket":  # the run's need bisected beside every figure the probe has, for choosing between them
+    if mode == "bracket":  # the run's need bisected beside the probe's step need
         p = pre.probe
         spec |= {"need_gib": pre.need_gib, "probe_step_need_gib": p and p.step_need_gib,
                  "probe_pages_gib": p and p.pages_gib, "probe_build_pages_gib": p and p.build_pages_gib,
@@ -343,14 +358,7 @@ def run_row(mode: str, name: str, work: Path, cpu: bool, deadline: float) -> dic
             hi = 1.2 * step
             if time.time() < deadline and go(hi)["ok"]:
                 need = hi
-        for _ in range(5):
-            if need is None or time.time() > deadline:
-                break
-            mid = (lo + hi) / 2
-            if go(mid)["ok"]:
-                hi = need = mid
-            else:
-                lo = fail = mid
+        need, fail = bisect_cap(go, lo, hi, need, fail, 5, deadline)
         return spec | {"trials": trials, "run_need_gib": need and round(need, 4), "run_fail_gib": fail and round(fail, 4)}
     if mode == "repeat":  # the probe's own spread: the same bisection again, same process, same data
         needs = [pre.probe and pre.probe.step_need_gib]
@@ -374,15 +382,8 @@ def run_row(mode: str, name: str, work: Path, cpu: bool, deadline: float) -> dic
         return spec | {"trials": trials, "completes_at_estimate": at["ok"], "fails_below": None if below is None else not below["ok"]}
     free = go(None)
     lo, hi = free["peak_alloc_gib"], free["peak_reserved_gib"]
-    fail, need = None, hi
-    for _ in range(4):
-        if time.time() > deadline or hi - lo < 0.01 * hi:  # 1% is finer than the +5% window the estimate must land in
-            break
-        mid = (lo + hi) / 2
-        if go(mid)["ok"]:
-            hi = need = mid
-        else:
-            lo = fail = mid
+    # stops at 1%: finer than the +5% window the estimate must land in
+    need, fail = bisect_cap(go, lo, hi, hi, None, 4, deadline, finer_than=0.01)
     return spec | {"trials": trials, "alloc_gib": free["peak_alloc_gib"], "reserved_gib": free["peak_reserved_gib"],
                    "need_gib": round(need, 4), "fail_gib": round(fail, 4) if fail else None}
 
