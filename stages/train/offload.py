@@ -11,6 +11,12 @@ host at every saved tensor and its host-to-device copy waits in the compute stre
 it cost (see bench/results/train_r7.json) what this hides: copies run on a side stream,
 overlapping compute, and backward prefetches the next tensor it will need (the saved inputs
 come back in reverse order). Parameters and small tensors stay where they are.
+
+A saved tensor's GPU block is released at a fixed point of the program, not when its copy happens to finish: the
+offload keeps it until the next tensor is packed (or backward starts), makes the compute stream wait for its copy
+there, then drops it. `record_stream` would free it at once but let the allocator reuse the block only once the
+copy had finished, so where later blocks went, and how much memory a step needed, followed the GPU's timing
+(docs/preflight.md, "The need is not one number"; bench/offload_determinism.py).
 """
 
 from __future__ import annotations
@@ -34,14 +40,26 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         self.param_ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
         self.host: list = []      # index -> (cpu tensor, device, copy-done event), until reset()
         self.fetched: dict = {}   # index -> (gpu tensor, event), prefetched in backward
+        self.pending: tuple | None = None  # (gpu tensor, copy-done event): the last one packed, until _settle()
         self.pool = PinnedPool()
         self.offloaded_bytes = 0
         super().__init__(self._pack, self._unpack)
 
     def reset(self) -> None:
+        self._settle()
+        compute = torch.cuda.current_stream()
+        for _gpu, ready in self.fetched.values():  # prefetched, never used (a failed backward): the copy in ends first
+            compute.wait_event(ready)
         self.pool.release()
         self.host.clear()
         self.fetched.clear()
+
+    def _settle(self) -> None:
+        """Release the last packed tensor: work queued on the compute stream from here on waits for its copy, so
+        the allocator may hand its block to the next allocation at once."""
+        if self.pending is not None:
+            torch.cuda.current_stream().wait_event(self.pending[1])
+            self.pending = None
 
     def _pack(self, t: torch.Tensor):
         if (not t.is_cuda or t.numel() * t.element_size() < MIN_BYTES
@@ -54,7 +72,9 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
             cpu.copy_(t, non_blocking=True)
             done = torch.cuda.Event()
             done.record()
-        t.record_stream(self.stream)  # the allocator must not reuse t before the copy ends
+        # One tensor behind: the previous copy has had this one's compute to run beside, so the wait rarely stalls.
+        self._settle()
+        self.pending = (t, done)
         self.host.append((cpu, t.device, done))
         self.offloaded_bytes += cpu.numel() * cpu.element_size()
         return len(self.host) - 1
@@ -70,12 +90,14 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
             gpu.copy_(cpu, non_blocking=True)
             ready = torch.cuda.Event()
             ready.record()
-        gpu.record_stream(self.stream)
+        # No record_stream: compute waits for `ready` before it uses gpu (or before reset() drops it), so every
+        # compute-stream reuse of its block comes after the copy, at a point the program fixes.
         return gpu, ready
 
     def _unpack(self, packed):
         if isinstance(packed, torch.Tensor):
             return packed
+        self._settle()  # backward has begun: the last tensor the forward packed is released
         i = packed
         gpu, ready = self.fetched.pop(i, None) or self._fetch(i)
         torch.cuda.current_stream().wait_event(ready)
