@@ -37,6 +37,9 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.stream = torch.cuda.Stream()
+        # The one stream whose blocks this offload releases by hand: every wait goes on it, and a tensor saved under
+        # another stream stays on the GPU (releasing it safely would need a wait on that stream).
+        self.compute = torch.cuda.current_stream()
         self.param_ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
         self.host: list = []      # index -> (cpu tensor, device, copy-done event), until reset()
         self.fetched: dict = {}   # index -> (gpu tensor, event), prefetched in backward
@@ -47,9 +50,8 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
 
     def reset(self) -> None:
         self._settle()
-        compute = torch.cuda.current_stream()
         for _gpu, ready in self.fetched.values():  # prefetched, never used (a failed backward): the copy in ends first
-            compute.wait_event(ready)
+            self.compute.wait_event(ready)
         self.pool.release()
         self.host.clear()
         self.fetched.clear()
@@ -58,14 +60,24 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         """Release the last packed tensor: work queued on the compute stream from here on waits for its copy, so
         the allocator may hand its block to the next allocation at once."""
         if self.pending is not None:
-            torch.cuda.current_stream().wait_event(self.pending[1])
+            self.compute.wait_event(self.pending[1])  # the block's own stream, whichever is current here
             self.pending = None
+
+    def __del__(self) -> None:
+        # Dropped without reset(): blocks the side stream may still read or write are about to be freed.
+        if getattr(self, "pending", None) is not None or getattr(self, "fetched", None):
+            try:
+                self.stream.synchronize()
+            except Exception:
+                pass
 
     def _pack(self, t: torch.Tensor):
         if (not t.is_cuda or t.numel() * t.element_size() < MIN_BYTES
                 or t.untyped_storage().data_ptr() in self.param_ptrs):
             return t
         compute = torch.cuda.current_stream()
+        if compute != self.compute:
+            return t  # another stream's block: released by hand only on the stream the waits go on
         self.stream.wait_stream(compute)  # t is written by work queued on compute
         with torch.cuda.stream(self.stream):
             cpu = self.pool.take(t.shape, t.dtype)
@@ -74,7 +86,7 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
             done.record()
         # One tensor behind: the previous copy has had this one's compute to run beside, so the wait rarely stalls.
         self._settle()
-        self.pending = (t, done)
+        self.pending = (t.detach(), done)  # the storage, not a failed forward's graph
         self.host.append((cpu, t.device, done))
         self.offloaded_bytes += cpu.numel() * cpu.element_size()
         return len(self.host) - 1
