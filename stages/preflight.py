@@ -42,10 +42,11 @@ from stages.train.kernels import resolve_auto
 # so an estimate 10% over the budget is already a clear "does not fit", and probing it would only OOM slowly.
 PROBE_IF_UNDER = 1.1
 # The probe measures what one step on the worst micro-batch needs under a cap (capped_step_need); the whole run
-# needs up to 6% more (micro-batches of other widths before it leave live blocks where the worst one's pages
-# go; its evals and checkpoints), most on small models: fitted on 20 capped runs (bench/results/capped/pages_run1.json),
-# then validated unchanged on 32 (pages_run2/3/4_7b): 31 complete capped at it, 27 run out at 0.95x (docs/preflight.md).
-NEED_SCALE, NEED_PLUS_GIB = 1.045, 0.01
+# (micro-batches of other widths before it, its evals and checkpoints) needs 0.985-1.033x that, by row: bisected on
+# 10 capped runs with the activation offload's fixed-point release, under which a run's need is the same in every
+# process (bench/results/capped/bracket_run3.json, spread_fixed_*.json). 1.035x + 5 MiB sits over all 10 and within
+# 5% of 9; then checked unchanged on rows it was not chosen on (pages_run5.json; docs/preflight.md).
+NEED_SCALE, NEED_PLUS_GIB = 1.035, 0.005
 CUDA_CONTEXT_GIB = 0.5      # typical CUDA context of a torch process; not in torch's counters (not measured here)
 
 
@@ -472,9 +473,9 @@ def headline(r: PreflightResult, cfg: RunConfig) -> str:
     if p and p.ok and r.need_gib:
         return (f"Preflight: {verdict}, measured: this run needs {r.need_gib:.2f} GiB on this GPU (one optimizer step on the worst "
                 f"micro-batch completed under a {p.step_need_gib:.2f} GiB cap and no lower, x {NEED_SCALE} + {NEED_PLUS_GIB} GiB for "
-                f"the rest of the run: 31 of 32 benchmark runs capped there completed; one configuration's need moves ~2% from run to run, "
-                f"inside the margin); {budget}. The estimate below, {r.estimate.total_gib:.2f} GiB, is from config.json alone: all 32 benchmark "
-                f"runs capped at it completed, 2-12% over what they needed (31% on a 0.4 GiB model).")
+                f"the rest of the run: of 25 benchmark runs, 8 architectures, all completed capped there and 24 ran out 5% under it; "
+                f"a run's peak repeats exactly from process to process); {budget}. The estimate below, {r.estimate.total_gib:.2f} GiB, is from "
+                f"config.json alone: over the need on all 25, by 1-15% (31% on a 0.4 GiB model).")
     if p and p.ok:
         return (f"Preflight: {verdict}, measured: two real optimizer steps on the worst micro-batch ran under a {p.cap_gib:.2f} GiB cap, "
                 f"peak {p.peak_alloc_gib:.2f} GiB allocated / {p.peak_reserved_gib:.2f} GiB reserved; {budget}. "
