@@ -22,5 +22,8 @@ if [ -n "${OLD:-}" ]; then
     --work /tmp/cg-old --out "$OUT/spread_record_stream_f18_alone.json" --max-seconds "${OLD_SECS:-170}" 2>&1 | tail -6)
   echo "old alone: $((SECONDS - t0)) s"
 fi
-for d in /tmp/cg-new /tmp/cg-old; do [ -d $d ] && tar -czf "$OUT/logs-$(basename $d).tar.gz" -C $d --exclude models --exclude rows --exclude 'data-*' . ; done
+# a call returns at most 8 files: the .json files hold every row of their .jsonl, and the logs go in one archive
+rm -f "$OUT"/*.jsonl
+mv "$OUT/offload_determinism.log" /tmp/cg-new/ 2>/dev/null
+tar -czf "$OUT/logs.tar.gz" --exclude models --exclude rows --exclude 'data-*' -C /tmp cg-new $([ -d /tmp/cg-old ] && echo cg-old)
 ls -la "$OUT"
