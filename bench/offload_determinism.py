@@ -28,14 +28,15 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from stages.memory import GIB, pages_touched_peak  # noqa: E402
-from stages.train.offload import OffloadActivations  # noqa: E402
+from stages.train.offload import MIN_BYTES, OffloadActivations  # noqa: E402
 
 
 class RecordStreamOffload(OffloadActivations):
-    """The offload before this change: each saved tensor freed under `record_stream`, no fixed release point."""
+    """The offload before this change: each saved tensor freed under `record_stream`, no fixed release point (nothing
+    is ever pending, so the inherited _settle() in reset() and _unpack() does nothing)."""
 
     def _pack(self, t):
-        if (not t.is_cuda or t.numel() * t.element_size() < (1 << 20)
+        if (not t.is_cuda or t.numel() * t.element_size() < MIN_BYTES
                 or t.untyped_storage().data_ptr() in self.param_ptrs):
             return t
         self.stream.wait_stream(torch.cuda.current_stream())
@@ -52,16 +53,6 @@ class RecordStreamOffload(OffloadActivations):
         gpu, ready = super()._fetch(i)
         gpu.record_stream(self.stream)
         return gpu, ready
-
-    def _unpack(self, packed):
-        if isinstance(packed, torch.Tensor):
-            return packed
-        gpu, ready = self.fetched.pop(packed, None) or self._fetch(packed)
-        torch.cuda.current_stream().wait_event(ready)
-        j = packed - 1
-        if j >= 0 and j not in self.fetched:
-            self.fetched[j] = self._fetch(j)
-        return gpu
 
 
 def build():

@@ -43,9 +43,9 @@ from stages.train.kernels import resolve_auto
 PROBE_IF_UNDER = 1.1
 # The probe measures what one step on the worst micro-batch needs under a cap (capped_step_need); the whole run
 # (micro-batches of other widths before it, its evals and checkpoints) needs 0.985-1.033x that, by row: bisected on
-# 10 capped runs with the activation offload's fixed-point release, under which a run's need is the same in every
-# process (bench/results/capped/bracket_run3.json, spread_fixed_*.json). 1.035x + 5 MiB sits over all 10 and within
-# 5% of 9; then checked unchanged on rows it was not chosen on (pages_run5.json; docs/preflight.md).
+# 10 capped runs with the activation offload's fixed-point release, under which a run's peak repeated exactly in
+# fresh processes (bench/results/capped/bracket_run3.json, spread_fixed_*.json). 1.035x + 5 MiB sits over all 10 and within
+# 5% of 9; then checked unchanged on rows it was not chosen on (pages_run5/6.json; docs/preflight.md).
 NEED_SCALE, NEED_PLUS_GIB = 1.035, 0.005
 CUDA_CONTEXT_GIB = 0.5      # typical CUDA context of a torch process; not in torch's counters (not measured here)
 
