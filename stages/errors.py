@@ -190,6 +190,9 @@ def run_cli(main: Callable[[], object], prog: str, resume: str | None = None) ->
     finally:
         if ours:
             signal.signal(signal.SIGINT, signal.default_int_handler)
+            # the flag belongs to this entry point's run: left set, the next run in this process (a notebook, a
+            # test session, a flow's next task) would stop at its first step for a Ctrl-C already answered
+            INTERRUPTED.clear()
 
 
 class _NoUserErrorTracebacks(logging.Filter):
