@@ -147,9 +147,13 @@ def as_user_error(err: BaseException) -> UserError | None:
 
 
 # Ctrl-C as state as well as an exception: Python raises KeyboardInterrupt in whatever Python code the main thread
-# runs next, and when that is a finalizer (a __del__ or weakref callback run by the garbage collector mid-step) it
-# prints "Exception ignored" and drops it: the run went on training (a suite run's Ctrl-C test hung this way).
-# Loops that run long check the flag at each step (check_interrupted), so a lost exception is raised again there.
+# runs next, and when that is a finalizer (a __del__ or weakref callback run by the garbage collector mid-step, an
+# asyncio transport's __del__ in the flow) it prints "Exception ignored ... Traceback" and drops it: the run went on
+# training (a suite run's Ctrl-C test hung this way), and the user read a traceback after Ctrl-C. So the handler
+# also sets a flag that long loops check (each training step, each flow stage's start and end: check_interrupted),
+# and while an entry point runs, a KeyboardInterrupt dropped by a finalizer is not printed: the check raises it.
+# (Delivering it again at once, with _thread.interrupt_main, runs the handler inside the hook itself, and a delayed
+# delivery can land after the entry point has returned.)
 INTERRUPTED = threading.Event()
 
 
@@ -158,8 +162,17 @@ def _on_sigint(signum, frame) -> None:
     signal.default_int_handler(signum, frame)
 
 
+def _quiet_lost_ctrl_c(previous: Callable[[object], None]) -> Callable[[object], None]:
+    def hook(unraisable) -> None:
+        if unraisable.exc_type is not None and issubclass(unraisable.exc_type, KeyboardInterrupt) and INTERRUPTED.is_set():
+            return  # check_interrupted raises it again
+        previous(unraisable)
+
+    return hook
+
+
 def check_interrupted() -> None:
-    """Raise KeyboardInterrupt if Ctrl-C came and its exception was lost; called between training steps."""
+    """Raise KeyboardInterrupt if Ctrl-C came and its exception was lost; called between training steps and stages."""
     if INTERRUPTED.is_set():
         raise KeyboardInterrupt
 
@@ -175,6 +188,7 @@ def run_cli(main: Callable[[], object], prog: str, resume: str | None = None) ->
     if ours:
         INTERRUPTED.clear()
         signal.signal(signal.SIGINT, _on_sigint)
+        unraisablehook, sys.unraisablehook = sys.unraisablehook, _quiet_lost_ctrl_c(sys.unraisablehook)
     try:
         main()
         return 0
@@ -190,6 +204,7 @@ def run_cli(main: Callable[[], object], prog: str, resume: str | None = None) ->
     finally:
         if ours:
             signal.signal(signal.SIGINT, signal.default_int_handler)
+            sys.unraisablehook = unraisablehook
             # the flag belongs to this entry point's run: left set, the next run in this process (a notebook, a
             # test session, a flow's next task) would stop at its first step for a Ctrl-C already answered
             INTERRUPTED.clear()
