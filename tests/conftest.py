@@ -149,6 +149,13 @@ def pytest_testnodedown(node, error):
         node.config._reliability[1].update(passed)
 
 
+def _whole_suites(config) -> bool:
+    """No test was picked out (-k, -m, a node id, --lf, -x): the counts are the whole suite's, not a few cases'."""
+    o = config.option
+    return (not o.keyword and not o.markexpr and not getattr(o, "lf", False) and not o.maxfail
+            and all("::" not in a for a in config.args))
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_sessionfinish(session):
     tried, passed = _reliability_counts()
@@ -157,7 +164,7 @@ def pytest_sessionfinish(session):
         return
     tried.update(session.config._reliability[0])
     passed.update(session.config._reliability[1])
-    if not tried:  # the reliability suite did not run here
+    if not tried or not _whole_suites(session.config):  # the reliability suite did not run here, or only part of it
         return
     by = sorted(set(tried))
     RELIABILITY_SUMMARY.write_text(json.dumps({"categories": {c: {"tried": tried[c], "passed": passed[c]} for c in by},
