@@ -115,7 +115,8 @@ def stage(name: str, fn, *, gpu: bool):
     """
 
     def body(*args, **kwargs):
-        errors.check_interrupted()  # a Ctrl-C whose exception a finalizer dropped stops the run here at the latest
+        errors.check_interrupted()  # a Ctrl-C whose exception a finalizer dropped stops the run here at the latest (a
+        # check after the stage would throw away a stage that completed, and its cached result with it)
         if os.environ.get("TAE_FAIL_STAGE") == name:  # test hook: a crash at the start of this stage
             raise RuntimeError(f"injected failure at the start of {name} (TAE_FAIL_STAGE)")
         with gpu_slot(f"stage {name} of flow run {flow_run.id or 'local'}") if gpu else contextlib.nullcontext() as how:
@@ -125,7 +126,6 @@ def stage(name: str, fn, *, gpu: bool):
                 slot = {"stage": name, "acquired": start, "released": time.time(), "flow_run_id": str(flow_run.id), "by": how}
                 (Path(args[-1]) / "gpu_slot.json").write_text(json.dumps(slot))
         publish_memory(name, result.memory)
-        errors.check_interrupted()
         return result
 
     return task(name=name, cache_policy=INPUTS + TASK_SOURCE, persist_result=True,

@@ -150,7 +150,7 @@ def as_user_error(err: BaseException) -> UserError | None:
 # runs next, and when that is a finalizer (a __del__ or weakref callback run by the garbage collector mid-step, an
 # asyncio transport's __del__ in the flow) it prints "Exception ignored ... Traceback" and drops it: the run went on
 # training (a suite run's Ctrl-C test hung this way), and the user read a traceback after Ctrl-C. So the handler
-# also sets a flag that long loops check (each training step, each flow stage's start and end: check_interrupted),
+# also sets a flag that long loops check (each training step, each flow stage's start: check_interrupted),
 # and while an entry point runs, a KeyboardInterrupt dropped by a finalizer is not printed: the check raises it.
 # (Delivering it again at once, with _thread.interrupt_main, runs the handler inside the hook itself, and a delayed
 # delivery can land after the entry point has returned.)
