@@ -106,11 +106,27 @@ NEW_SHAPES = {
     "smollm2-135m": dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=576, intermediate_size=1536,
                          num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, vocab_size=49152,
                          max_position_embeddings=8192, rope_theta=100000.0, tie_word_embeddings=True),
+    # held out after the constants were validated (session 2026-12-03, sixth): shapes no row had
+    # Gemma-2-2B: logit soft-capping, 256k tied table, head_dim 256 over width 2304, 2:1 GQA, sliding window
+    "gemma2-2b": dict(model_type="gemma2", architectures=["Gemma2ForCausalLM"], hidden_size=2304, intermediate_size=9216,
+                      num_hidden_layers=26, num_attention_heads=8, num_key_value_heads=4, head_dim=256, vocab_size=256000,
+                      max_position_embeddings=8192, rope_theta=10000.0, tie_word_embeddings=True, final_logit_softcapping=30.0,
+                      attn_logit_softcapping=50.0, query_pre_attn_scalar=256, sliding_window=4096,
+                      hidden_activation="gelu_pytorch_tanh", pad_token_id=0),
+    # Mistral-Nemo-12B: heads x head_dim (4096) narrower than the width (5120), untied 131k table, 4:1 GQA, 40 layers
+    "mistral-nemo-12b": dict(model_type="mistral", architectures=["MistralForCausalLM"], hidden_size=5120,
+                             intermediate_size=14336, num_hidden_layers=40, num_attention_heads=32, num_key_value_heads=8,
+                             head_dim=128, vocab_size=131072, max_position_embeddings=131072, rope_theta=1e6,
+                             tie_word_embeddings=False),
     # CPU dry runs
     "tiny-qk": dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], hidden_size=64, intermediate_size=160, num_hidden_layers=2,
                     num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=1000, tie_word_embeddings=True),
     "tiny-fused": dict(model_type="phi3", architectures=["Phi3ForCausalLM"], hidden_size=64, intermediate_size=160, num_hidden_layers=2,
                        num_attention_heads=4, num_key_value_heads=4, vocab_size=1000, tie_word_embeddings=False, pad_token_id=0),
+    "tiny-gemma2": dict(model_type="gemma2", architectures=["Gemma2ForCausalLM"], hidden_size=64, intermediate_size=160,
+                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=1000,
+                        tie_word_embeddings=True, final_logit_softcapping=30.0, attn_logit_softcapping=50.0,
+                        query_pre_attn_scalar=16, sliding_window=128, pad_token_id=0),
 }
 
 # name: (shape, quant, packing, max_length, micro-batch, r, targets). F rows: the shapes the allocator terms are fitted on;
@@ -151,8 +167,15 @@ ROWS = {
     "H13": ("qwen2.5-0.5b", "nf4", "off", 2048, 8, 64, QVO),
     "H14": ("llama-1b", "bf16", "on", 4096, 4, 16, "all-linear"),
     "H15": ("smollm2-360m", "bf16", "on", 4096, 4, 64, QVO),
+    # N rows: held out from everything, after the 34 above were validated
+    # (the project's LoRA defaults: r 16, all-linear)
+    "N1": ("llama-8b", "nf4", "on", 4096, 2, 16, "all-linear"),
+    "N2": ("mistral-nemo-12b", "nf4", "off", 2048, 2, 16, "all-linear"),
+    "N3": ("gemma2-2b", "bf16", "on", 4096, 2, 16, "all-linear"),
+    "N4": ("gemma2-2b", "nf4", "off", 2048, 4, 16, "all-linear"),
     "T1": ("tiny-qk", "bf16", "on", 256, 4, 8, QVO),
     "T2": ("tiny-fused", "bf16", "off", 128, 4, 8, QVO),
+    "T3": ("tiny-gemma2", "bf16", "on", 256, 4, 8, "all-linear"),
 }
 STEPS, EVAL_EVERY = 20, 10
 BELOW = 0.95  # validate: the stage capped at this fraction of the estimate must run out
