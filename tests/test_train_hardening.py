@@ -167,6 +167,29 @@ def test_gpu_only_settings_fail_clearly_on_cpu(tmp_path):
     assert kernels.optimizer(cfg) == "adamw_torch" and not kernels.offload_activations(cfg) and not kernels.offload_embeddings(cfg)
 
 
+def test_liger_gets_the_kernels_each_family_has():
+    """Liger's apply functions name the MLP kernel by activation and take only their family's kernels: Gemma-2's
+    has geglu and no swiglu (passing swiglu was a TypeError at the model build, found on a Gemma-2 shape). These
+    are Liger 0.8.5's signatures (liger_kernel/transformers/monkey_patch.py)."""
+
+    def llama(rope=True, cross_entropy=False, fused_linear_cross_entropy=None, rms_norm=True, swiglu=True, model=None): ...
+
+    def gemma2(rope=True, cross_entropy=False, fused_linear_cross_entropy=True, rms_norm=True, geglu=True, model=None): ...
+
+    def llava(cross_entropy=False, fused_linear_cross_entropy=True, model=None): ...
+
+    assert kernels.liger_options(llama, loss=True, kernels=False) == {
+        "fused_linear_cross_entropy": True, "cross_entropy": False, "rope": False, "rms_norm": False, "swiglu": False}
+    assert kernels.liger_options(gemma2, loss=False, kernels=True) == {
+        "fused_linear_cross_entropy": False, "cross_entropy": False, "rope": True, "rms_norm": True, "geglu": True}
+    assert kernels.liger_options(llava, loss=True, kernels=True) == {"fused_linear_cross_entropy": True, "cross_entropy": False}
+    if kernels._has_liger():  # where Liger is installed (the GPU image): every family it maps takes the loss we rely on
+        from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
+
+        for model_type, apply in MODEL_TYPE_TO_APPLY_LIGER_FN.items():
+            assert "fused_linear_cross_entropy" in kernels.liger_options(apply, loss=True, kernels=True), model_type
+
+
 def test_fit_choice_is_recorded(tmp_path):
     cfg = load_config(write_config(tmp_path, training=SHORT | {"max_steps": 2, "fit": "speed"}))
     r = train.run(cfg, tmp_path / "train")

@@ -7,6 +7,7 @@ has, the preflight estimate the device it estimates for.
 from __future__ import annotations
 
 import importlib.util
+import inspect
 
 from stages.config import TILE_FROM_TOKENS, ConfigError, RunConfig
 from stages.modelio import device
@@ -160,4 +161,16 @@ def use_liger(model, *, loss: bool, kernels: bool, forced: bool = True) -> None:
             f"liger-kernel has no kernels for model_type {model.config.model_type!r}; "
             "set training.cross_entropy and training.fused_kernels to auto (stock modules) or plain/off"
         )
-    apply(model=model, fused_linear_cross_entropy=loss, cross_entropy=False, rope=kernels, rms_norm=kernels, swiglu=kernels)
+    apply(model=model, **liger_options(apply, loss=loss, kernels=kernels))
+
+
+# The MLP kernel is named for the family's activation (Llama's swiglu, Gemma's geglu, Nemotron's relu_squared),
+# and an apply function takes only the kernels its family has: passing swiglu to Gemma-2's is a TypeError.
+_MODULE_KERNELS = ("rope", "rms_norm", "swiglu", "geglu", "relu_squared")
+
+
+def liger_options(apply, *, loss: bool, kernels: bool) -> dict:
+    """The keyword arguments `apply` (a Liger apply_liger_kernel_to_* function) accepts, for this choice."""
+    accepted = inspect.signature(apply).parameters
+    options = {"fused_linear_cross_entropy": loss, "cross_entropy": False} | {k: kernels for k in _MODULE_KERNELS}
+    return {k: v for k, v in options.items() if k in accepted}
