@@ -45,8 +45,8 @@ PROBE_IF_UNDER = 1.1
 # (micro-batches of other widths before it, its evals and checkpoints) needs 0.985-1.033x that, by row: bisected on
 # 10 capped runs with the activation offload's fixed-point release, under which a run's peak repeated exactly in
 # fresh processes (bench/results/capped/bracket_run3.json, spread_fixed_*.json). 1.035x + 5 MiB sits over all 10 and within
-# 5% of 9; then checked unchanged on the 24 rows it was not chosen on, 7B included: every one completes capped there
-# and runs out at 0.95x it (pages_run5-8*.json; docs/preflight.md).
+# 5% of 9; then checked unchanged on the 28 rows it was not chosen on, 7B-12B and Gemma-2 included: every one
+# completes capped there and runs out at 0.95x it (pages_run5-10*.json; docs/preflight.md).
 NEED_SCALE, NEED_PLUS_GIB = 1.035, 0.005
 CUDA_CONTEXT_GIB = 0.5      # typical CUDA context of a torch process; not in torch's counters (not measured here)
 
@@ -474,9 +474,9 @@ def headline(r: PreflightResult, cfg: RunConfig) -> str:
     if p and p.ok and r.need_gib:
         return (f"Preflight: {verdict}, measured: this run needs {r.need_gib:.2f} GiB on this GPU (one optimizer step on the worst "
                 f"micro-batch completed under a {p.step_need_gib:.2f} GiB cap and no lower, x {NEED_SCALE} + {NEED_PLUS_GIB} GiB for "
-                f"the rest of the run: of 34 benchmark runs, 9 architectures, all completed capped there and 33 needed more than 95% of it; "
+                f"the rest of the run: of 38 benchmark runs, 10 architectures, all completed capped there and 37 needed more than 95% of it; "
                 f"a run's peak repeats exactly from process to process); {budget}. The estimate below, {r.estimate.total_gib:.2f} GiB, is from "
-                f"config.json alone: over the need on all 34, by 1-15% (31% on a 0.4 GiB model).")
+                f"config.json alone: over the need on all 38, by 1-15% (31% on a 0.4 GiB model).")
     if p and p.ok:
         return (f"Preflight: {verdict}, measured: two real optimizer steps on the worst micro-batch ran under a {p.cap_gib:.2f} GiB cap, "
                 f"peak {p.peak_alloc_gib:.2f} GiB allocated / {p.peak_reserved_gib:.2f} GiB reserved; {budget}. "
