@@ -81,8 +81,16 @@ def test_tokenizer_mismatch_is_caught(run_dir):
 
     modern = AutoTokenizer.from_pretrained(REPO / "assets" / "tiny-llama", legacy=False)
     text = modern.apply_chat_template([{"role": "user", "content": "Translate to French: red"}], tokenize=False)
-    with pytest.raises(ValueError, match=r"tokenizes differently from the HF tokenizer at token 1"):
+    with pytest.raises(ValueError, match=r"tokenizes differently from the HF tokenizer at token 1.*set \"legacy\": true"):
         export.check_tokenization(run_dir / "export" / "model-f16.gguf", modern, [text])
+
+
+def test_the_tokenizer_fix_follows_the_direction_of_the_space():
+    """Gemma's GGUF has no space prefix: a Llama-style tokenizer with legacy=True put "▁" where llama.cpp did not,
+    and the message used to advise legacy: true, already set (found exporting a Gemma-2 shape)."""
+    assert 'set "legacy": true' in export.space_fix(["[", "INST"], ["▁[", "INST"])
+    assert 'set "legacy": false' in export.space_fix(["▁[", "INST"], ["[", "INST"])
+    assert "tokenizer files the model was released with" in export.space_fix(["▁red"], ["▁re", "d"])
 
 
 def test_offload_plan_fits_the_serving_card(run_dir):

@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 __all__ = ["ExportResult", "GgufFile", "check_fidelity", "check_quant_types", "check_tokenization", "check_tokenizer", "main",
-           "quant_summary", "run"]
+           "quant_summary", "run", "space_fix"]
 
 if TYPE_CHECKING:
     from stages.export.stage import (
@@ -28,6 +28,7 @@ if TYPE_CHECKING:
         main,
         quant_summary,
         run,
+        space_fix,
     )
 
 

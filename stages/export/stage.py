@@ -305,13 +305,28 @@ def check_tokenization(gguf_path: Path, tokenizer, texts: list[str]) -> dict:
             hf = tokenizer(text, add_special_tokens=False)["input_ids"]
             if hf != gg:
                 i = next((k for k, (a, b) in enumerate(zip(hf, gg, strict=False)) if a != b), min(len(hf), len(gg)))
+                hf_pieces, gg_pieces = tokenizer.convert_ids_to_tokens(hf[i:i + 3]), vocab.call("pieces", gg[i:i + 3])
                 raise ValueError(
                     f"{gguf_path.name} tokenizes differently from the HF tokenizer at token {i} of {text[:60]!r}: "
-                    f"hf {tokenizer.convert_ids_to_tokens(hf[i:i + 3])} vs gguf {vocab.call('pieces', gg[i:i + 3])}; "
-                    "for a SentencePiece Llama set \"legacy\": true in tokenizer_config.json (llama.cpp adds a space after "
-                    "special tokens)"
+                    f"hf {hf_pieces} vs gguf {gg_pieces}; {space_fix(hf_pieces, gg_pieces)}"
                 )
     return {"texts_compared": len(texts), "identical": True}
+
+
+def space_fix(hf_pieces: list[str], gguf_pieces: list[str]) -> str:
+    """The fix for a SentencePiece word-start space ("▁") that one side puts after a special token and the other does
+    not. llama.cpp follows the GGUF's add_space_prefix, which the converter sets per architecture (on for Llama, off
+    for Gemma); the HF tokenizer follows `legacy`, so the fix is on the HF side, in the direction llama.cpp goes."""
+    hf_space = bool(hf_pieces) and hf_pieces[0].startswith("▁")
+    gguf_space = bool(gguf_pieces) and gguf_pieces[0].startswith(("▁", " "))
+    if gguf_space and not hf_space:
+        return ("llama.cpp puts a word-start space after special tokens and the HF tokenizer does not: set \"legacy\": true "
+                "in the model's tokenizer_config.json")
+    if hf_space and not gguf_space:
+        return ("the HF tokenizer puts a word-start space after special tokens and llama.cpp does not (this architecture's "
+                "GGUF has no space prefix): set \"legacy\": false in the model's tokenizer_config.json")
+    return ("the two tokenizers split this text differently: give the tokenizer files the model was released with "
+            "(tokenizer.json / tokenizer.model beside config.json)")
 
 
 def _load(path: Path) -> ExportResult:
