@@ -34,7 +34,7 @@ def drop_caches() -> bool:
 
 
 def main() -> None:
-    from stages import handoff
+    from stages import checksums, handoff
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
@@ -64,7 +64,7 @@ def main() -> None:
                 shutil.copy2(run / name, bundle / name)
                 ways[name] = "copy"
         placed = time.perf_counter() - t0
-        sums = {name: handoff.sha256_file(bundle / name) for name in SIZES}
+        sums = {name: checksums.sha256_file(bundle / name) for name in SIZES}
         rows[how] = {"placed_s": round(placed, 3), "placed_and_hashed_s": round(time.perf_counter() - t0, 3), "ways": ways,
                      "page_cache_dropped": cold, "sha256": sums}
     assert rows["place"]["sha256"] == rows["copy"]["sha256"]

@@ -19,7 +19,6 @@ One GPU job at a time: the GPU stages hold a slot of the global concurrency limi
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
@@ -32,7 +31,7 @@ from prefect.events.worker import EventsWorker
 
 from flows.gpu_slot import ensure_gpu_limit
 from flows.train_and_export import data_fingerprint, train_and_export
-from stages import errors
+from stages import champion, errors
 from stages.config import ConfigError, RunConfig, load_config
 
 PIPELINE = "train-and-export/default"
@@ -40,9 +39,10 @@ EVENT = "dataset.updated"
 
 
 def last_published_fingerprint(cfg: RunConfig) -> str | None:
-    """The data fingerprint in the newest complete bundle's manifest (None before the first)."""
-    manifest = Path(cfg.handoff.dir) / cfg.handoff.model_name / "latest" / "manifest.json"
-    return json.loads(manifest.read_text()).get("data_fingerprint") if manifest.is_file() else None
+    """The data fingerprint in the manifest `latest` points at (None before the first bundle, or when that manifest
+    cannot be read: then the data is retrained on, and the hand-off names the damaged bundle in its comparison)."""
+    manifest = champion.latest_manifest(Path(cfg.handoff.dir) / cfg.handoff.model_name)
+    return manifest.get("data_fingerprint") if manifest else None
 
 
 @flow(name="retrain-on-new-data", log_prints=True)

@@ -46,7 +46,7 @@ from stages import champion, data, errors, export, handoff, memory, preflight, t
 from stages.config import load_config  # noqa: E402
 from stages.export import llamacpp, merge, smoke  # noqa: E402
 from stages.memory import MemoryReport  # noqa: E402
-from stages.paths import RunPaths, new_run_id  # noqa: E402
+from stages.paths import RunPaths, check_run_id, new_run_id  # noqa: E402
 from stages.train import tracking  # noqa: E402
 
 # A native crash (llama.cpp, a CUDA library) kills the flow process without a Python traceback:
@@ -165,7 +165,9 @@ def train_and_export(config: str = "configs/default.yaml", overrides: list[str] 
     cfg = load_config(config, overrides)
     llamacpp.converter_dir()  # the converter must match the llama.cpp runtime: checked before any work
     # A retried flow run keeps its id, hence its directory and its stages' cache keys.
-    paths = RunPaths.for_run(cfg, run_id or (f"{flow_run.name}-{str(flow_run.id)[:8]}" if flow_run.id else None))
+    if run_id is None and flow_run.id:  # a deployment run without a run_id parameter: named for its flow run
+        run_id = f"{flow_run.name}-{str(flow_run.id)[:8]}"
+    paths = RunPaths.for_run(cfg, run_id)
     fingerprint = data_fingerprint(cfg)
     print(f"run {paths.run_id}: {paths.root}  data {fingerprint[:12]}")
 
@@ -198,8 +200,8 @@ def train_and_export(config: str = "configs/default.yaml", overrides: list[str] 
             smoke={f.quant: {"accuracy": f.accuracy, "passed": f.passed, "n_prompts": f.n_prompts, "gen_tokens_per_s": f.gen_tokens_per_s,
                              "n_gpu_layers": f.plan.n_gpu_layers,
                              "served": {k: v for k, v in (f.served or {}).items() if k != "examples"} or None} for f in sm.files},
-            memory=reports, fidelity=drift, merge={"base": mg.base, "kl": mg.kl},
-            extra_files=[Path(ex.imatrix["file"])] if ex.imatrix else [],
+            memory=reports, fidelity=drift, merge={"base": mg.base, "save_dtype": mg.save_dtype, "kl": mg.kl},
+            extra_files=[Path(ex.imatrix["file"])] if ex.imatrix and ex.imatrix.get("used_by") else [],
             extra={"prefect_flow_run_id": str(flow_run.id) if flow_run.id else None, "imatrix": ex.imatrix and {**ex.imatrix, "file": Path(ex.imatrix["file"]).name},
                    "train": {"steps": tr.steps, "first_loss": tr.first_loss, "final_loss": tr.final_loss, "fit": tr.fit,
                              "best_eval_loss": tr.best_eval_loss}},
@@ -237,10 +239,11 @@ def main(argv: list[str] | None = None) -> int:
     a = parser().parse_args(argv)
     if a.debug:
         os.environ[errors.DEBUG_ENV] = "1"
-    run_id = a.run_id or new_run_id()  # chosen here, so that an interrupted run can be named for its resumption
+    run_id = new_run_id() if a.run_id is None else a.run_id  # chosen here, so that an interrupted run can be named for its resumption
     resume = " ".join(["python -m flows.train_and_export", "--config", a.config, *(f"--set {s}" for s in a.set), "--run-id", run_id])
 
     def go():
+        check_run_id(run_id)  # an empty, reserved or path-like id, before anything starts
         load_config(a.config, a.set)  # a bad config fails here, before Prefect starts a server
         reaper.watch()  # nothing this process starts outlives it, even after kill -9
         reaper.isolate_temporary_api()

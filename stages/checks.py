@@ -11,14 +11,20 @@ instead of a traceback minutes or hours later:
   converter, the torch-free llama.cpp process) start and import what they need, started the same way.
 - disk: the merged 16-bit model, the unquantized GGUF and every quantized one (artifacts_dir) and the
   bundle's copies (handoff.dir) fit in the free space of the filesystem(s) that will hold them.
+- the hand-off directory: its `latest` is a link that can be switched.
+- the tokenizer as llama.cpp will read it: the converter writes a vocabulary-only GGUF from the user's model directory
+  (it supports the architecture and reads the tokenizer), whose metadata and tokenization of sample texts equal the
+  HF tokenizer's (stages/export/vocab.py).
+- export.imatrix, when it names a file: an importance-matrix GGUF whose tensors this model has, in their widths.
 
-    checks.before_training(cfg, out_dir)   # out_dir: the preflight stage's directory in the run
+    checks.before_training(cfg, out_dir, tokenizer)   # out_dir: the preflight stage's directory in the run
 """
 
 from __future__ import annotations
 
 import errno
 import importlib
+import json
 import os
 import subprocess
 import tempfile
@@ -29,12 +35,13 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from stages import errors
-from stages.export import llamacpp, llamacpp_process
-from stages.export import convert as gguf_convert
-from stages.train import tracking
+from stages import champion, data, errors
 from stages.config import RunConfig
-from stages.errors import DiskFull, MissingPackage, UserError
+from stages.errors import DiskFull, MissingPackage, RunError, UserError
+from stages.export import convert as gguf_convert
+from stages.export import imatrix, llamacpp, llamacpp_process, vocab
+from stages.modelio import resolve_model_dir
+from stages.train import tracking
 
 HTTP_TIMEOUT_S = 3      # an MLflow server that does not answer its health check in this long is down (or not there)
 PROBE_TIMEOUT_S = 30    # a child that cannot import its packages in this long will not do better after training
@@ -45,21 +52,69 @@ class ToolError(UserError, RuntimeError):
     """A tool the export needs after training cannot run here."""
 
 
-def before_training(cfg: RunConfig, out_dir: Path, export: bool = True) -> None:
+def before_training(cfg: RunConfig, out_dir: Path, tokenizer, export: bool = True) -> None:
     """Raise a UserError naming the first problem and its fix; `export`: also what the export side needs (its
-    tools, its disk)."""
+    tools, its disk, the tokenizer as llama.cpp will read it, the importance matrix, the hand-off directory)."""
     run_dir = Path(out_dir).parent  # the preflight's directory is <artifacts_dir>/runs/<id>/preflight
+    model_dir = resolve_model_dir(cfg.model.name_or_path)
     probes = start_tool_probes() if export else []  # child processes: they start while the rest is checked
+    job = vocab.start(model_dir, llamacpp.converter_dir()) if export else None  # the converter on the user's own files
     try:
         trackers(cfg, run_dir / "train")
         if export:
             disk(cfg, run_dir)
+            handoff_dir(cfg)
+            imat = imatrix_file(cfg)
         finish_tool_probes(probes)
+        if export:
+            gguf = job.wait()
+            served_tokenizer(cfg, tokenizer, gguf, model_dir)
+            if imat is not None:
+                imatrix.check_against(imat, imatrix.widths_before_conversion(model_dir, llamacpp.read_gguf(gguf)),
+                                      Path(cfg.export.imatrix).resolve(), str(model_dir))
     finally:
         for _what, _package, proc in probes:
             if proc.poll() is None:
                 proc.kill()
                 proc.communicate()
+        if job is not None:
+            job.kill()
+
+
+# --- the hand-off directory, the importance matrix, the tokenizer as llama.cpp reads it ------------
+
+
+def handoff_dir(cfg: RunConfig) -> None:
+    """`latest` beside the published versions can be switched (a link, or nothing yet)."""
+    problem = champion.latest_problem(Path(cfg.handoff.dir) / cfg.handoff.model_name)
+    if problem:
+        raise RunError(f"handoff.dir: {problem}")
+
+
+def imatrix_file(cfg: RunConfig) -> imatrix.Imatrix | None:
+    """export.imatrix, when it names a file: an importance matrix GGUF (its names and widths are checked against the
+    model once the converter has named the model's tensors)."""
+    if cfg.export.imatrix in ("auto", "off"):
+        return None
+    return imatrix.load(Path(cfg.export.imatrix))
+
+
+SAMPLE_TEXTS = 20  # held-out and training samples each, through the chat template, tokenized both ways
+
+
+def served_tokenizer(cfg: RunConfig, tokenizer, gguf: Path, model_dir: Path) -> None:
+    """The vocabulary-only GGUF the converter wrote from the user's files: its metadata and its tokenization of sample
+    texts (held-out and training samples in the chat template, and the converter's own probe text where the
+    pre-tokenizer is named from tokenizer.json) equal the HF tokenizer's."""
+    info = llamacpp.read_gguf(gguf)
+    rows = json.loads((model_dir / "config.json").read_text(encoding="utf-8")).get("vocab_size")
+    what = f"the GGUF vocabulary llama.cpp's converter makes from {model_dir}"
+    vocab.check_metadata(info, tokenizer, rows, what, model_dir)
+    texts = data.held_out_texts(cfg, tokenizer, SAMPLE_TEXTS)
+    texts += [tokenizer.apply_chat_template(list(s.messages), tokenize=False) for s in data.train_samples(cfg)[:SAMPLE_TEXTS]]
+    if gguf_convert.pre_tokenizer(model_dir):
+        texts.append(gguf_convert.probe_text(llamacpp.converter_dir()))
+    vocab.check_tokenization(gguf, tokenizer, [t for t in texts if t], what, model_dir)
 
 
 # --- trackers ---------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 # ConfigError lives in stages.errors, so that modelio raises it without importing the config; it is still stages.config.ConfigError.
 from stages.errors import ConfigError, UserError
@@ -313,19 +313,28 @@ class MergeSection(Section):
     samples: int = Field(8, gt=0, description="Held-out samples for the merge checks.")
 
 
+MAX_MEAN_KL = {"f16": 0.01, "bf16": 0.01, "f32": 0.01, "Q4_K_M": 0.10, "Q5_K_S": 0.06, "default": 0.10}
+MIN_TOP1 = {"f16": 0.99, "bf16": 0.99, "f32": 0.99, "Q4_K_M": 0.85, "Q5_K_S": 0.88, "default": 0.85}
+
+
+def _over(defaults: dict[str, float]):
+    """A threshold map as given laid over its defaults: `{Q5_K_S: 0.05}` (YAML or --set) changes Q5_K_S's entry, and
+    leaves f16's strict gate as it was instead of dropping it to `default`."""
+    return lambda v: defaults | v if isinstance(v, dict) else v
+
+
 class FidelitySection(Section):
     """The gate between export and hand-off: each GGUF vs the merged model on held-out texts."""
 
     samples: int = Field(20, gt=0, description="Held-out samples compared (every position of each).")
-    max_mean_kl: dict[str, float] = Field(
-        {"f16": 0.01, "bf16": 0.01, "f32": 0.01, "Q4_K_M": 0.10, "Q5_K_S": 0.06, "default": 0.10},
-        description="Per file type, the largest mean KL(merged || GGUF) allowed; `default` for types not listed. "
+    max_mean_kl: Annotated[dict[str, float], BeforeValidator(_over(MAX_MEAN_KL))] = Field(
+        MAX_MEAN_KL, description="Per file type, the largest mean KL(merged || GGUF) allowed; `default` for types not listed. "
+        "The types given change those entries only; the others keep these defaults. "
         "For scale, llama.cpp on Llama-3-8B: 0.031 at Q4_K_M, 0.017 at Q5_K_S.",
     )
-    min_top1: dict[str, float] = Field(
-        {"f16": 0.99, "bf16": 0.99, "f32": 0.99, "Q4_K_M": 0.85, "Q5_K_S": 0.88, "default": 0.85},
-        description="Per file type, the smallest fraction of positions where GGUF and merged model pick the same "
-        "next token (llama.cpp on Llama-3-8B Q4_K_M: 91.9%).",
+    min_top1: Annotated[dict[str, float], BeforeValidator(_over(MIN_TOP1))] = Field(
+        MIN_TOP1, description="Per file type, the smallest fraction of positions where GGUF and merged model pick the same "
+        "next token (llama.cpp on Llama-3-8B Q4_K_M: 91.9%); the types given change those entries only.",
     )
 
     @model_validator(mode="after")
@@ -345,6 +354,11 @@ class FidelitySection(Section):
     def thresholds(self, quant: str) -> tuple[float, float]:
         return (self.max_mean_kl.get(quant, self.max_mean_kl.get("default", 0.1)),
                 self.min_top1.get(quant, self.min_top1.get("default", 0.85)))
+
+
+# Words that mean a setting of export.imatrix rather than a file name, however they are written.
+IMATRIX_WORDS = {"auto": "auto", "off": "off", "none": "off", "null": "off", "no": "off", "false": "off", "disabled": "off",
+                 "on": "auto", "yes": "auto", "true": "auto"}
 
 
 class ExportSection(Section):
@@ -368,6 +382,17 @@ class ExportSection(Section):
         if bad:
             raise ValueError(f"unknown quant type(s) {bad}; choose from {sorted(QUANT_FTYPES)}")
         return self
+
+    @field_validator("imatrix")
+    @classmethod
+    def _setting_or_file(cls, v: str) -> str:
+        word = v.strip().lower()
+        if v not in ("auto", "off") and word in IMATRIX_WORDS:  # a setting mistyped would be read as a file name
+            raise ValueError(f"{v!r} reads as the setting `{IMATRIX_WORDS[word]}`, not a file; set export.imatrix: "
+                             f"{IMATRIX_WORDS[word]} (the settings are lower-case auto and off), or give the path of an imatrix.gguf")
+        if not v.strip():
+            raise ValueError("empty; set export.imatrix: auto, off, or the path of an imatrix.gguf")
+        return v
 
 
 class SmokeSection(Section):
@@ -520,13 +545,19 @@ def _apply_override(raw: dict[str, Any], item: str) -> None:
     key, sep, value = item.partition("=")
     if not sep or not key:
         raise ConfigError(f"override '{item}' must look like section.key=value, e.g. training.max_steps=20")
+    try:
+        parsed = yaml.safe_load(value)
+    except yaml.YAMLError as e:
+        problem = str(getattr(e, "problem", None) or e).splitlines()[0]
+        raise ConfigError(f"override '{item}': the value {value!r} is not plain YAML ({problem}); quote it "
+                          f"(--set '{key}=\"...\"') or give a number, a word, [a, list] or {{key: value}}") from None
     node = raw
     *parents, leaf = key.strip().split(".")
     for part in parents:
         node = node.setdefault(part, {})
         if not isinstance(node, dict):
             raise ConfigError(f"override '{item}': '{part}' is not a section")
-    node[leaf] = yaml.safe_load(value)
+    node[leaf] = parsed
 
 
 def _explain(path: Path, err: ValidationError) -> str:
@@ -542,6 +573,8 @@ def _explain(path: Path, err: ValidationError) -> str:
             lines.append(f"{loc}: unknown key; {hint}")
         elif e["type"] == "missing":
             lines.append(f"{loc}: required, but missing; add it to the YAML")
+        elif e["type"] == "value_error":  # the schema's own check: its message names the problem and the fix
+            lines.append(f"{loc}: {e['msg'].removeprefix('Value error, ')}")
         else:
             about = _field_at(e["loc"])
             lines.append(f"{loc}: {e['msg']} (got {e.get('input')!r}); set a value that is"
@@ -586,14 +619,33 @@ def _check_inputs(cfg: RunConfig) -> list[str]:
         if f is not None and not f.exists() and not _hub_id_in_cache(str(f)):
             problems.append(f"{key}: {f.resolve()} does not exist (nor is {str(f)!r} a dataset in the local HF cache); point it at "
                             "a data file, a folder of them, or a dataset saved with save_to_disk")
-    for key, d in (("artifacts_dir", cfg.artifacts_dir), ("handoff.dir", cfg.handoff.dir)):
-        clash = next((p for p in (d, *d.parents) if p.exists() and not p.is_dir()), None)
-        if clash is not None:
-            problems.append(f"{key}: {clash.resolve()} is a file, not a directory; point {key} at a directory (it is created if missing)")
+    for key, d in (("artifacts_dir", cfg.artifacts_dir), ("handoff.dir", cfg.handoff.dir / cfg.handoff.model_name)):
+        problem = _unwritable_dir(d)
+        if problem:
+            problems.append(f"{key}: {problem}; point {key} at a directory this user can write (it is created if missing)")
     if cfg.smoke.check == "exact" and cfg.data.eval_file is None and not cfg.data.eval_split:
         problems.append("smoke.check is `exact` but there is no held-out data; set data.eval_file or data.eval_split, "
                         "or use smoke.check: stops")
     return problems
+
+
+def _unwritable_dir(d: Path) -> str | None:
+    """Why the run could not create files in directory `d` (made first, as the run makes it), or None. Tried, not read
+    off permission bits: root ignores them, a read-only mount does not."""
+    import os
+    import tempfile
+
+    for p in reversed((d, *d.parents)):
+        if p.is_symlink() and not p.exists():
+            return f"{p} is a symbolic link to {os.readlink(p)}, which does not exist"
+        if p.exists() and not p.is_dir():
+            return f"{p.resolve()} is a file, not a directory"
+    existing = next(p for p in (d, *d.parents) if p.exists())
+    try:
+        with tempfile.NamedTemporaryFile(dir=existing, prefix=".tae-write-check-"):
+            return None
+    except OSError as e:
+        return f"{existing.resolve()} cannot be written ({e.strerror or e})"
 
 
 def _hub_id_in_cache(name: str) -> bool:

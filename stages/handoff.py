@@ -25,7 +25,6 @@ never overwritten.
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import os
 import platform
@@ -36,7 +35,8 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
-from stages import champion, errors
+from stages import champion, checksums, errors, paths
+from stages.checksums import sha256_dir, sha256_file
 from stages.config import RunConfig
 from stages.errors import DiskFull, RunError
 from stages.export import modelcard, quant_types
@@ -86,9 +86,12 @@ def run(
         extra_files: other files for the bundle, placed and checksummed as the GGUFs are (the importance matrix).
     """
     root = Path(cfg.handoff.dir) / cfg.handoff.model_name
-    final = root / version
-    if final.exists():
-        raise RunError(f"bundle {final} already exists; versions are immutable, publish under a new run id")
+    final = root / paths.check_run_id(version)
+    in_the_way = paths.bundle_in_the_way(final)
+    if in_the_way:
+        raise in_the_way
+    if champion.latest_problem(root):  # found before the bundle is built: nothing is published half-way
+        raise RunError(champion.latest_problem(root))
     root.mkdir(parents=True, exist_ok=True)
     for stale in root.glob(f".{version}.*"):  # what a killed earlier attempt of this version left
         shutil.rmtree(stale, ignore_errors=True)
@@ -118,7 +121,7 @@ def run(
             (tmp / "Modelfile").write_text(text)
             (tmp / "README.md").write_text(modelcard.readme(json.loads((tmp / "manifest.json").read_text()), template))
             listed = [*names, "manifest.json", "Modelfile", "README.md", "comparison.md", "comparison.json"]
-            (tmp / "SHA256SUMS").write_text("".join(f"{sums.get(n) or sha256_file(tmp / n)}  {n}\n" for n in listed))
+            (tmp / checksums.SUMS).write_text(checksums.render({n: sums.get(n) or sha256_file(tmp / n) for n in listed}))
             _fsync_dir(tmp)
             tmp.chmod(0o755)  # mkdtemp makes it private; the serving team must read it
             os.rename(tmp, final)  # atomic on one filesystem; fails if `final` appeared meanwhile
@@ -170,22 +173,6 @@ def place(src: Path, dst: Path) -> str:
     return "copy"
 
 
-def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
-    h = hashlib.sha256()
-    with Path(path).open("rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
-
-
-def sha256_dir(path: Path, pattern: str = "*.safetensors") -> str:
-    """One hash over the named files of a model/adapter directory (names and bytes)."""
-    h = hashlib.sha256()
-    for f in sorted(Path(path).glob(pattern)):
-        h.update(f.name.encode() + b"\0" + sha256_file(f).encode())
-    return h.hexdigest()
-
-
 def _manifest(cfg, version, gguf_files, sums, adapter_dir, data_fingerprint, smoke, memory, extra) -> dict:
     base_dir = resolve_model_dir(cfg.model.name_or_path)
     return {
@@ -217,29 +204,25 @@ def _fallbacks(quant: str, gguf: Path) -> dict:
 
 
 def _serving(cfg: RunConfig, gguf: Path) -> dict:
-    """Chat template, BOS/EOS and stop strings, as the GGUF holds them (export checked they equal the HF tokenizer's)."""
+    """Chat template, BOS/EOS and stop strings, as the GGUF holds them (export checked they equal the HF tokenizer's).
+
+    The stops are every token llama.cpp itself ends a generation at (its end-of-generation set: EOS, and the end of a
+    turn such as Gemma's <end_of_turn>, which is not the EOS), so Ollama and other servers stop where llama.cpp does."""
     from stages.export import llamacpp
+    from stages.export.llamacpp_process import LlamaProcess
     from stages.modelio import load_tokenizer
 
     tok = load_tokenizer(cfg.model)
     f = llamacpp.read_gguf(gguf)["fields"]
-    stops = [tok.eos_token]
-    for key in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
-        if f.get(key) is not None:
-            stops.append(tok.convert_ids_to_tokens(int(f[key])))
-    add_bos = f.get("tokenizer.ggml.add_bos_token")
-    if add_bos is None:  # llama.cpp's default depends on the tokenizer (SentencePiece yes, SmolLM's BPE no): ask it
-        add_bos = _llama_adds_bos(gguf)
-    return {"template": f.get("tokenizer.chat_template") or tok.chat_template, "bos_token": tok.bos_token or "",
-            "eos_token": tok.eos_token or "", "stops": [s for s in stops if s], "add_bos": bool(add_bos)}
-
-
-def _llama_adds_bos(gguf: Path) -> bool:
-    from stages.export.llamacpp_process import LlamaProcess
-
     with LlamaProcess(gguf.name) as vocab:
         vocab.call("load", str(gguf), vocab_only=True)
-        return vocab.call("add_bos")
+        stops = vocab.call("end_of_generation")
+        add_bos = f.get("tokenizer.ggml.add_bos_token")
+        if add_bos is None:  # llama.cpp's default depends on the tokenizer (SentencePiece yes, SmolLM's BPE no): ask it
+            add_bos = vocab.call("add_bos")
+    return {"template": f.get("tokenizer.chat_template") or tok.chat_template, "bos_token": tok.bos_token or "",
+            "eos_token": tok.eos_token or "", "stops": list(dict.fromkeys(s for s in [*stops, tok.eos_token] if s)),
+            "add_bos": bool(add_bos)}
 
 
 def _versions() -> dict:
@@ -259,8 +242,12 @@ def _fsync_dir(d: Path) -> None:
 
 
 def _point_latest(root: Path, version: str) -> None:
-    tmp = root / f".latest.{os.getpid()}"
+    tmp = root / f".{champion.LATEST}.{os.getpid()}"
     if tmp.is_symlink() or tmp.exists():
         tmp.unlink()
     tmp.symlink_to(version)
-    os.replace(tmp, root / "latest")  # rename over the old link: readers see old or new, never none
+    try:
+        os.replace(tmp, root / champion.LATEST)  # rename over the old link: readers see old or new, never none
+    finally:
+        if tmp.is_symlink():  # the rename failed: no stray link left beside the versions
+            tmp.unlink()

@@ -77,7 +77,11 @@ def compute_dtype(choice: str, cuda: bool | None = None) -> torch.dtype:
 def load_tokenizer(model: ModelSection):
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(resolve_model_dir(model.name_or_path), trust_remote_code=model.trust_remote_code)
+    model_dir = resolve_model_dir(model.name_or_path)
+    tok = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=model.trust_remote_code)
+    problem = special_token_problem(tok, model_dir)
+    if problem:
+        raise ModelError(problem)
     if tok.pad_token is None:
         # Padding positions are masked out of attention and loss, so reusing EOS is safe.
         tok.pad_token = tok.eos_token
@@ -87,6 +91,45 @@ def load_tokenizer(model: ModelSection):
             "tokenizer_config.json (the exported GGUF and the serving team need it)"
         )
     return tok
+
+
+def special_token_problem(tok, model_dir: Path) -> str | None:
+    """Why the tokenizer's special tokens cannot train and serve this model: no EOS (answers that never end), an id past
+    the embedding table (an IndexError at step 1), or config.json naming another EOS/BOS than the tokenizer (generation
+    stops at one token, training teaches the other); None when they agree."""
+    import json
+
+    config = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
+    config = config.get("text_config") or config  # a multimodal checkpoint keeps the language model's ids there
+    rows = config.get("vocab_size")
+    files = f"{Path(model_dir) / 'tokenizer_config.json'}"
+    if tok.eos_token is None or tok.eos_token_id is None:
+        return (f"the tokenizer of {model_dir} has no eos_token: trained answers would never end, and no server would know where to "
+                f"stop; set \"eos_token\" in {files} to the token that ends a turn in its chat template (e.g. \"</s>\", "
+                "\"<|im_end|>\", \"<|eot_id|>\")")
+    for name in ("eos_token", "bos_token", "pad_token", "unk_token"):
+        value, tid = getattr(tok, name, None), getattr(tok, f"{name}_id", None)
+        if value is not None and tid is not None and rows and tid >= rows:
+            return (f"the tokenizer's {name} {value!r} has id {tid}, outside the model's {rows}-row embedding table (config.json "
+                    f"vocab_size): it is not in the vocabulary the model was trained with; set \"{name}\" in {files} to a token "
+                    f"the model has (ids 0-{rows - 1}), e.g. the one its chat template ends a turn with")
+    for key in ("eos_token_id", "bos_token_id", "pad_token_id"):
+        ids = config.get(key)
+        ids = [ids] if isinstance(ids, int) else ids if isinstance(ids, list) else []
+        bad = [i for i in ids if not isinstance(i, int) or i < 0 or (rows and i >= rows)]
+        if bad:
+            tid = getattr(tok, key)
+            return (f"{Path(model_dir) / 'config.json'}: {key} {config.get(key)} is outside the vocabulary (ids 0-{(rows or 1) - 1}); "
+                    + (f"set it to the tokenizer's id, {tid}" if tid is not None and (not rows or tid < rows) else "remove it or set it to an id in range"))
+    for key, name in (("eos_token_id", "eos_token"), ("bos_token_id", "bos_token")):
+        ids = config.get(key)
+        ids = [ids] if isinstance(ids, int) else ids if isinstance(ids, list) else []
+        tid = getattr(tok, key)
+        if ids and tid is not None and tid not in ids:
+            return (f"{Path(model_dir) / 'config.json'}: {key} is {config.get(key)}, but the tokenizer's {name} is "
+                    f"{getattr(tok, name)!r} (id {tid}): generation would stop at one and training teach the other; set {key} "
+                    f"to {tid} in config.json, or \"{name}\" in {files} to the token config.json names")
+    return None
 
 
 def _check_bitsandbytes() -> None:

@@ -24,6 +24,8 @@ from stages.errors import RunError
 
 STAGES = ("preflight", "train", "merge", "export", "smoke", "handoff")
 RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+# Names a run id cannot take: the bundle directory beside the versions that always points at the newest promoted one.
+RESERVED = ("latest",)
 
 
 def new_run_id() -> str:
@@ -31,10 +33,31 @@ def new_run_id() -> str:
 
 
 def check_run_id(run_id: str) -> str:
-    if not isinstance(run_id, str) or not RUN_ID.match(run_id) or ".." in run_id:
+    """`run_id` if it can name a run directory and a bundle version; RunError saying why not."""
+    example = "e.g. --run-id 20261201-qwen-v2, or leave --run-id out for a new one"
+    if not isinstance(run_id, str) or not run_id.strip():
+        raise RunError(f"run id {run_id!r} is empty: give a plain name ({example})")
+    if run_id.lower() in RESERVED:
+        raise RunError(f"run id {run_id!r} is reserved: <handoff.dir>/<model_name>/latest is the link to the newest promoted "
+                       f"bundle, so no version may be named so; use another --run-id ({example})")
+    if not RUN_ID.match(run_id) or ".." in run_id:
         raise RunError(f"run id {run_id!r} is not a plain name: use letters, digits, '.', '_' and '-' (no '/', no '..', "
-                       "at most 128 characters), e.g. --run-id 20261201-qwen-v2")
+                       f"at most 128 characters, starting with a letter or digit), {example}")
     return run_id
+
+
+def bundle_in_the_way(bundle: Path) -> RunError | None:
+    """Why version `bundle` cannot be published: it was published already, or something else holds its name."""
+    if not (bundle.exists() or bundle.is_symlink()):
+        return None
+    run_id = bundle.name
+    if bundle.is_dir() and (bundle / "manifest.json").is_file():
+        return RunError(f"run {run_id} already published {bundle.resolve()}; bundles are immutable: start a new run with "
+                        "another --run-id (or none, for a new one)")
+    what = ("a dangling symbolic link" if not bundle.exists() else "a file" if not bundle.is_dir()
+            else "an empty directory" if not any(bundle.iterdir()) else "a directory without manifest.json")
+    return RunError(f"{bundle} is {what}, not a published bundle, and the bundle of run {run_id} would go there; remove or "
+                    "rename it, or use another --run-id")
 
 
 @dataclass(frozen=True)
@@ -50,11 +73,10 @@ class RunPaths:
             RunError: the id is not a plain name, it already published a bundle, or its
                 directory holds a run of another config.
         """
-        run_id = check_run_id(run_id or new_run_id())
-        bundle = Path(cfg.handoff.dir) / cfg.handoff.model_name / run_id
-        if bundle.exists():
-            raise RunError(f"run {run_id} already published {bundle.resolve()}; bundles are immutable: "
-                           "start a new run with another --run-id (or none, for a new one)")
+        run_id = check_run_id(new_run_id() if run_id is None else run_id)
+        in_the_way = bundle_in_the_way(Path(cfg.handoff.dir) / cfg.handoff.model_name / run_id)
+        if in_the_way:
+            raise in_the_way
         root = Path(cfg.artifacts_dir) / "runs" / run_id
         root.mkdir(parents=True, exist_ok=True)
         config = root / "config.yaml"

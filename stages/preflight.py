@@ -100,6 +100,7 @@ class PreflightResult:
     notes: list[str] = field(default_factory=list)
     adapted: str = ""          # the modules LoRA adapts (as resolved against the model) and their parameter count
     target_notes: list[str] = field(default_factory=list)  # requested names mapped onto fused modules
+    data_notes: list[str] = field(default_factory=list)    # what the data holds that the run goes on with (shared held-out samples)
     steps: dict = field(default_factory=dict)  # samples and tokens per optimizer step, steps per epoch, epochs max_steps covers
 
     @property
@@ -121,13 +122,14 @@ def run(cfg: RunConfig, out_dir: Path, gpu_memory_gib: float | None = None, *, t
     its disk are not checked here."""
     out_dir = Path(out_dir)
     with memory.track("preflight", out_dir) as meter:
-        checks.before_training(cfg, out_dir, export=not train_only)  # what the run would otherwise hit after training: trackers, disk, export tools
         model_dir = resolve_model_dir(cfg.model.name_or_path)
         shapes = Shapes.from_config(json.loads((model_dir / "config.json").read_text()), cfg.model.trust_remote_code, str(model_dir))
         targets = shapes.targets(cfg.lora.target_modules)  # names that match no module stop the run here, before any weights load
         tokenizer = load_tokenizer(cfg.model)
+        # what the run would otherwise hit after training: trackers, disk, export tools, the tokenizer as llama.cpp reads it
+        checks.before_training(cfg, out_dir, tokenizer, export=not train_only)
         lengths = scan_lengths(cfg, tokenizer)
-        check_held_out(cfg, tokenizer)  # what merge, export and smoke will read: its problems stop the run now, not after training
+        held_notes = check_held_out(cfg, tokenizer)  # what merge, export and smoke will read: stopped now, not after training
         device, budget = _budget(gpu_memory_gib or cfg.preflight.gpu_memory_gib)
         on_gpu = device != "cpu"
         # The CUDA context (driver, kernels) lives outside torch's allocator, which is what
@@ -170,7 +172,7 @@ def run(cfg: RunConfig, out_dir: Path, gpu_memory_gib: float | None = None, *, t
             fits = result_probe.ok and (need is None or need <= usable)
         suggestions = [] if fits else suggest(cfg, shapes, lengths, usable, on_gpu=on_gpu, packed_tokens=plan_tokens)
     result = PreflightResult(fits, device, round(budget, 3), round(usable, 3), est, lengths, suggestions,
-                             out_dir / "preflight.md", meter.report, probe=result_probe, notes=shapes.unknown,
+                             out_dir / "preflight.md", meter.report, probe=result_probe, notes=shapes.unknown, data_notes=held_notes,
                              adapted=targets.summary(cfg.lora.r), target_notes=targets.notes, steps=steps)
     result.report_md.write_text(render(result, cfg))
     (out_dir / "preflight.json").write_text(json.dumps(memory.jsonable(result), indent=2, default=str))
@@ -327,13 +329,50 @@ def _plan(cfg: RunConfig, tokenizer, packed: bool):
     return planned, asdict(plan)
 
 
-def check_held_out(cfg: RunConfig, tokenizer) -> None:
-    """The held-out file parses, renders with the chat template, and its prompts fit the smoke test's context."""
+def check_held_out(cfg: RunConfig, tokenizer) -> list[str]:
+    """The held-out file parses, renders with the chat template, its prompts fit the smoke test's context, and it is
+    not the training data; returns a note when a few held-out samples are also training samples."""
     from stages.export import smoke
 
     samples = data.held_out(cfg, max(cfg.smoke.max_prompts, cfg.export.fidelity.samples, cfg.merge.samples))
     data.tokenize(samples, tokenizer, 1 << 30, "error")
     smoke.check_context(cfg, tokenizer)
+    return held_out_overlap(cfg)
+
+
+# Held-out samples that are training samples too, from which the eval data is refused: eval loss, the merge and
+# fidelity checks, the smoke test and the champion comparison would measure recall of the training set.
+OVERLAP_REFUSED = 0.10
+
+
+def held_out_overlap(cfg: RunConfig) -> list[str]:
+    """DataError when the held-out data is the training data (the same file, or mostly the same samples); a note
+    naming the few shared samples otherwise."""
+    held = data.eval_samples(cfg)
+    if not held:
+        return []
+    train_paths = [cfg.data.train_file] if cfg.data.train_file else [Path(s.path) for s in cfg.data.sources]
+    if cfg.data.eval_file is not None and any(p.exists() and Path(cfg.data.eval_file).resolve() == p.resolve() for p in train_paths):
+        raise data.DataError(f"data.eval_file is the training file ({Path(cfg.data.eval_file).resolve()}): every held-out figure "
+                             "(eval loss, fidelity, smoke, the champion comparison) would be measured on samples the model trained "
+                             "on; point data.eval_file at held-out samples, or remove it and set data.eval_split: 0.05 to hold "
+                             "some out of training")
+
+    def key(s: data.Sample) -> str:
+        return json.dumps(s.messages, sort_keys=True, default=str)
+
+    trained = {key(s) for s in data.train_samples(cfg)}
+    shared = [s.id for s in held if key(s) in trained]
+    where = cfg.data.eval_file if cfg.data.eval_file is not None else "the data.eval_split samples"
+    if len(shared) > OVERLAP_REFUSED * len(held):
+        fix = (f"remove them from {where} (or remove data.eval_file and set data.eval_split, which holds samples out of training)"
+               if cfg.data.eval_file is not None else "remove the repeated samples from the training data")
+        raise data.DataError(f"{len(shared)} of the {len(held)} held-out samples in {where} are also training samples (e.g. "
+                             f"{', '.join(shared[:3])}): the held-out figures would measure recall of the training set; {fix}")
+    if shared:
+        return [f"{len(shared)} of the {len(held)} held-out samples are also training samples ({', '.join(shared[:3])}"
+                f"{', ...' if len(shared) > 3 else ''}); their figures are not held out"]
+    return []
 
 
 def scan_lengths(cfg: RunConfig, tokenizer=None) -> LengthScan:
@@ -512,6 +551,7 @@ def render(r: PreflightResult, cfg: RunConfig) -> str:
         f"Truncated: {len(L.truncated)}, dropped: {len(L.dropped)}.",
         "",
         f"LoRA adapts {r.adapted}." + "".join(f" {n}." for n in r.target_notes),
+        *(["", "Data: " + "; ".join(r.data_notes) + "."] if r.data_notes else []),
         "",
         f"Steps: {_plan_line(r.steps)}.",
         "",

@@ -287,9 +287,11 @@ def test_the_tool_probes_pass_here_and_a_stuck_one_is_named(tmp_path):
 
 
 def test_the_whole_check_passes_on_the_default(tmp_path):
+    from stages.modelio import load_tokenizer
+
     cfg = load_config(write_config(tmp_path))
     t0 = time.monotonic()
-    checks.before_training(cfg, tmp_path / "artifacts" / "runs" / "x" / "preflight")
+    checks.before_training(cfg, tmp_path / "artifacts" / "runs" / "x" / "preflight", load_tokenizer(cfg.model))
     print(f"checks.before_training on the default: {time.monotonic() - t0:.2f} s")
 
 

@@ -13,7 +13,7 @@ import pytest
 
 from stages import export, memory
 from stages.config import load_config
-from stages.export import fidelity, llamacpp, smoke
+from stages.export import fidelity, llamacpp, smoke, vocab
 from stages.export.llamacpp_process import LlamaCrashed, LlamaProcess
 from stages.modelio import load_tokenizer
 from tests.conftest import REPO, write_config
@@ -81,16 +81,22 @@ def test_tokenizer_mismatch_is_caught(run_dir):
 
     modern = AutoTokenizer.from_pretrained(REPO / "assets" / "tiny-llama", legacy=False)
     text = modern.apply_chat_template([{"role": "user", "content": "Translate to French: red"}], tokenize=False)
-    with pytest.raises(ValueError, match=r"tokenizes differently from the HF tokenizer at token 1.*set \"legacy\": true"):
-        export.check_tokenization(run_dir / "export" / "model-f16.gguf", modern, [text])
+    with pytest.raises(vocab.TokenizerMismatch, match=r"tokenizes differently from the HF tokenizer of .*tiny-llama at token 1.*set \"legacy\": true"):
+        vocab.check_tokenization(run_dir / "export" / "model-f16.gguf", modern, [text], "model-f16.gguf", REPO / "assets" / "tiny-llama")
 
 
 def test_the_tokenizer_fix_follows_the_direction_of_the_space():
     """Gemma's GGUF has no space prefix: a Llama-style tokenizer with legacy=True put "▁" where llama.cpp did not,
     and the message used to advise legacy: true, already set (found exporting a Gemma-2 shape)."""
-    assert 'set "legacy": true' in export.space_fix(["[", "INST"], ["▁[", "INST"])
-    assert 'set "legacy": false' in export.space_fix(["▁[", "INST"], ["[", "INST"])
-    assert "tokenizer files the model was released with" in export.space_fix(["▁red"], ["▁re", "d"])
+    assert 'set "legacy": true' in vocab.space_fix(["[", "INST"], ["▁[", "INST"])
+    assert 'set "legacy": false' in vocab.space_fix(["▁[", "INST"], ["[", "INST"])
+    assert "tokenizer files the model was released with" in vocab.space_fix(["▁red"], ["▁re", "d"])
+    # advice already followed is not given again (Granite's legacy: true); a byte-level BPE has no such switch
+    class Legacy:
+        legacy = True
+
+    assert "legacy" not in vocab.space_fix(["[", "INST"], ["▁[", "INST"], Legacy())
+    assert "legacy" not in vocab.space_fix(["Ġred"], [" re", "d"])
 
 
 def test_offload_plan_fits_the_serving_card(run_dir):

@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from stages import handoff
+from stages import checksums, handoff
 from stages.config import load_config
 from stages.errors import RunError
 from tests.conftest import write_config
@@ -24,6 +24,10 @@ def gguf(tmp_path, name, payload: bytes):
     p = tmp_path / name
     p.unlink(missing_ok=True)  # a new file, as export writes one (a .partial renamed into place): a published link keeps the old
     w = GGUFWriter(str(p), "llama")
+    w.add_tokenizer_model("llama")  # the vocabulary llama.cpp loads to tell the hand-off its stop tokens
+    w.add_token_list(tok.convert_ids_to_tokens(list(range(len(tok)))))
+    w.add_token_scores([0.0] * len(tok))
+    w.add_token_types([3 if i in tok.all_special_ids else 1 for i in range(len(tok))])  # CONTROL / NORMAL
     w.add_chat_template(tok.chat_template)
     w.add_bos_token_id(tok.bos_token_id)
     w.add_eos_token_id(tok.eos_token_id)
@@ -66,7 +70,7 @@ def test_failed_publish_leaves_everything_as_it_was(tmp_path):
 def test_versions_are_immutable(tmp_path):
     cfg = load_config(write_config(tmp_path))
     publish(cfg, "v1", [("Q4_K_M", gguf(tmp_path, "model-Q4_K_M.gguf", b"one"))], tmp_path)
-    with pytest.raises(RunError, match="versions are immutable"):
+    with pytest.raises(RunError, match="run v1 already published .*bundles are immutable"):
         publish(cfg, "v1", [("Q4_K_M", gguf(tmp_path, "model-Q4_K_M.gguf", b"other"))], tmp_path)
 
 
@@ -162,6 +166,7 @@ def test_a_worse_retrain_fails_the_flow_run_and_leaves_latest(tmp_path, capfd, p
     (root / "v0" / "manifest.json").write_text(json.dumps({
         "held_out_fingerprint": champion.held_out_fingerprint(cfg), "smoke": {"Q4_K_M": {"accuracy": 1.0}, "Q5_K_S": {"accuracy": 1.0}},
         "fidelity": [], "train": {"best_eval_loss": None}, "files": []}))
+    (root / "v0" / "SHA256SUMS").write_text(checksums.render({"manifest.json": checksums.sha256_file(root / "v0" / "manifest.json")}))
     (root / "latest").symlink_to("v0")
     code = main(["--config", str(cfg_path), "--run-id", "worse"])
     err = capfd.readouterr().err

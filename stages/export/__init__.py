@@ -14,8 +14,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-__all__ = ["ExportResult", "GgufFile", "check_fidelity", "check_quant_types", "check_tokenization", "check_tokenizer", "main",
-           "quant_summary", "run", "space_fix"]
+__all__ = ["ExportResult", "GgufFile", "check_fidelity", "check_quant_types", "main", "quant_summary", "run"]
 
 if TYPE_CHECKING:
     from stages.export.stage import (
@@ -23,12 +22,9 @@ if TYPE_CHECKING:
         GgufFile,
         check_fidelity,
         check_quant_types,
-        check_tokenization,
-        check_tokenizer,
         main,
         quant_summary,
         run,
-        space_fix,
     )
 
 

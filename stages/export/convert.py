@@ -50,17 +50,11 @@ class Converted:
     pre_tokenizer: str | None = None  # set when it came from tokenizer.json, not the converter's table
 
 
-def convert(meter: memory.track, converter: Path, merged_dir: Path, dst: Path, outtype: str) -> Converted:
-    """convert_hf_to_gguf.py in a subprocess (its peak RSS is measured as the stage's child)."""
+def convert(meter: memory.track, converter: Path, merged_dir: Path, dst: Path, outtype: str, *, source: Path | None = None) -> Converted:
+    """convert_hf_to_gguf.py in a subprocess (its peak RSS is measured as the stage's child). `source`: the user's model
+    directory `merged_dir` was made from, named in a refusal (its files are the ones to change)."""
     tmp = dst.with_suffix(".gguf.partial")
-    script = converter / "convert_hf_to_gguf.py"
-    args = [str(merged_dir), "--outfile", str(tmp), "--outtype", outtype]
-    pre = pre_tokenizer(merged_dir)
-    if pre:
-        env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-        cmd = [sys.executable, "-P", "-m", "stages.export.convert", pre, str(script), *args]
-    else:
-        env, cmd = None, [sys.executable, str(script), *args]
+    cmd, env, pre = command(converter, merged_dir, tmp, "--outtype", outtype)
     proc = meter.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     out = proc.stdout or ""
     log = dst.with_suffix(".convert.log")
@@ -72,21 +66,8 @@ def convert(meter: memory.track, converter: Path, merged_dir: Path, dst: Path, o
         tmp.unlink(missing_ok=True)
         if "No space left on device" in out:  # the converter's OSError, in its own process: said as the full disk it is
             raise errors.no_space(OSError(errno.ENOSPC, "No space left on device", str(tmp)))
-        unsupported = re.search(r"Model (\S+) is not supported", out)
-        if unsupported:
-            raise llamacpp.UnsupportedArchitecture(
-                f"llama.cpp's converter (llama-cpp-python {llamacpp.runtime_version()}) does not support the architecture "
-                f"{unsupported.group(1)} of {merged_dir}; nothing was exported. Use a base model of a supported family "
-                "(Llama, Qwen2, Mistral, Gemma, Phi, ...) or a llama-cpp-python release whose converter lists it"
-            )
-        if "BPE pre-tokenizer was not recognized" in out:
-            raise llamacpp.UnsupportedArchitecture(
-                f"llama.cpp's converter (llama-cpp-python {llamacpp.runtime_version()}) does not know the BPE pre-tokenizer of "
-                f"{merged_dir / 'tokenizer.json'}, and its pre_tokenizer is none of {sorted(PRE_TOKENIZERS)}; nothing was exported. "
-                "Use a llama-cpp-python release whose converter lists the base model's tokenizer"
-            )
-        raise RuntimeError(f"convert_hf_to_gguf.py failed (exit {proc.returncode}) on {merged_dir}; the end of its output is above, "
-                           f"all of it in {log}")
+        raise refusal(out, source or merged_dir) or RuntimeError(
+            f"convert_hf_to_gguf.py failed (exit {proc.returncode}) on {merged_dir}; the end of its output is above, all of it in {log}")
     tmp.rename(dst)
     used = pre if MARK in out else None
     # With the pre-tokenizer named from tokenizer.json (and proven on the probe text later), the converter's banner
@@ -97,6 +78,43 @@ def convert(meter: memory.track, converter: Path, merged_dir: Path, dst: Path, o
                and line.strip() != "WARNING:hf-to-gguf:"]
     print(summary(merged_dir, llamacpp.read_gguf(dst), dst, log, used), *notable, sep="\n")
     return Converted(dst, log, used)
+
+
+def command(converter: Path, model_dir: Path, outfile: Path, *options: str) -> tuple[list[str], dict | None, str | None]:
+    """(argv, environment, pre-tokenizer named from tokenizer.json or None) of the converter on `model_dir`."""
+    script = converter / "convert_hf_to_gguf.py"
+    args = [str(model_dir), "--outfile", str(outfile), *options]
+    pre = pre_tokenizer(model_dir)
+    if not pre:
+        return [sys.executable, str(script), *args], None, None
+    env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    return [sys.executable, "-P", "-m", "stages.export.convert", pre, str(script), *args], env, pre
+
+
+def refusal(out: str, model_dir: Path) -> llamacpp.UnsupportedArchitecture | None:
+    """What the converter's output says it cannot convert in `model_dir`, as a user error naming the file; None when it
+    failed otherwise."""
+    unsupported = re.search(r"Model (\S+) is not supported", out)
+    if unsupported:
+        return llamacpp.UnsupportedArchitecture(
+            f"llama.cpp's converter (llama-cpp-python {llamacpp.runtime_version()}) does not support the architecture "
+            f"{unsupported.group(1)} of {model_dir / 'config.json'}; nothing can be exported. Use a base model of a supported family "
+            "(Llama, Qwen2, Mistral, Gemma, Phi, ...) or a llama-cpp-python release whose converter lists it"
+        )
+    if "BPE pre-tokenizer was not recognized" in out:
+        return llamacpp.UnsupportedArchitecture(
+            f"llama.cpp's converter (llama-cpp-python {llamacpp.runtime_version()}) does not know the BPE pre-tokenizer of "
+            f"{model_dir / 'tokenizer.json'}, and its pre_tokenizer is none of {sorted(PRE_TOKENIZERS)}; nothing can be exported. "
+            "Use a llama-cpp-python release whose converter lists the base model's tokenizer"
+        )
+    lines = [line for line in out.splitlines() if line.strip()]
+    tail = lines[-1] if lines else ""
+    if re.search(r"(tokenizer|vocab)", tail, re.I) and re.search(r"(Error|Exception)\b", tail):  # the converter's own words on the tokenizer
+        return llamacpp.UnsupportedArchitecture(
+            f"llama.cpp's converter (llama-cpp-python {llamacpp.runtime_version()}) cannot read the tokenizer of {model_dir} "
+            f"({tail.strip()[:300]}); nothing can be exported. Give the tokenizer files the model was released with "
+            "(tokenizer.json, or tokenizer.model for SentencePiece) beside config.json")
+    return None
 
 
 # What convert_hf_to_gguf.py does before its first line of work: its own directory first on sys.path, then its gguf-py

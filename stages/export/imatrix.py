@@ -72,21 +72,79 @@ def load(path: Path) -> Imatrix:
 
     path = Path(path)
     if not path.is_file():
-        raise ImatrixError(f"export.imatrix names {path}, which is not a file; give an imatrix.gguf (llama-imatrix's or a run's "
-                           "bundle's), `auto` to compute one from the training data, or `off`")
+        what = "a directory" if path.is_dir() else "not there"
+        raise ImatrixError(f"export.imatrix names {path.resolve()}, which is {what}; give the path of an imatrix.gguf (llama-imatrix's "
+                           "or a run's bundle's), `auto` to compute one from the training data, or `off`")
     try:
         reader = gguf.GGUFReader(str(path))
-    except (ValueError, OSError, IndexError) as e:
-        raise ImatrixError(f"{path} is not a GGUF file ({e}); give an imatrix.gguf (the legacy .dat format is not read: convert it "
-                           "with llama.cpp's convert_legacy_imatrix_to_gguf.py), `auto` or `off`") from None
-    tensors = {t.name: np.asarray(t.data, dtype=np.float32).reshape(-1) for t in reader.tensors}
+        tensors = {t.name: np.asarray(t.data, dtype=np.float32).reshape(-1) for t in reader.tensors}
+    except Exception as e:  # gguf-py raises whatever the bytes lead it to (ValueError, struct.error, IndexError, ...)
+        raise ImatrixError(f"export.imatrix: {path.resolve()} is not a GGUF file ({type(e).__name__}: {str(e)[:120]}); give an "
+                           "imatrix.gguf (the legacy .dat format is not read: convert it with llama.cpp's "
+                           "convert_legacy_imatrix_to_gguf.py), `auto` or `off`") from None
     sums = {n[:-len(".in_sum2")]: v for n, v in tensors.items() if n.endswith(".in_sum2")}
     counts = {n: int(tensors[f"{n}.counts"][0]) for n in sums if f"{n}.counts" in tensors}
     if not sums or len(counts) != len(sums):
-        raise ImatrixError(f"{path} holds no `<tensor>.in_sum2` / `<tensor>.counts` pairs: not an importance matrix")
+        kind = reader.fields.get("general.type")
+        kind = kind.contents() if kind is not None else None
+        raise ImatrixError(f"export.imatrix: {path.resolve()} is a GGUF file but no importance matrix (general.type "
+                           f"{kind!r}, no `<tensor>.in_sum2` / `<tensor>.counts` pairs"
+                           + ("; it is a model" if kind == "model" else "") + "); give an imatrix.gguf (llama-imatrix's, or "
+                           "the imatrix.gguf of a bundle of the same base), `auto` or `off`")
     chunks, datasets = reader.fields.get("imatrix.chunk_count"), reader.fields.get("imatrix.datasets")
     return Imatrix(sums, counts, max(counts.values()), int(chunks.contents()) if chunks is not None else 0,
                    f"{path.name} ({', '.join(datasets.contents()) if datasets is not None else 'datasets not named'})")
+
+
+def check_against(imat: Imatrix, widths: dict[str, int], source: Path, model: str) -> list[str]:
+    """The tensors of `imat` that `model` has, by GGUF name (`widths`: name -> input width of each of its matrices).
+
+    Raises ImatrixError when it names none of them (computed on another model: quantizing with it would change nothing,
+    and shipping it would claim otherwise) or when one of them has another width (llama.cpp refuses such a file only
+    while it quantizes, after training, and without naming it)."""
+    matched = [n for n in imat.sums if n in widths]
+    if not matched:
+        raise ImatrixError(
+            f"export.imatrix: {source} names none of the tensors of {model} (it has e.g. {', '.join(sorted(imat.sums)[:2])}; the "
+            f"model's are e.g. {', '.join(sorted(widths)[:2])}): it was computed on another model; give the imatrix of this "
+            "model (the imatrix.gguf of a bundle of the same base), `auto` to compute one from the training data, or `off`")
+    wrong = {n: (imat.sums[n].size, widths[n]) for n in matched if imat.sums[n].size != widths[n]}
+    if wrong:
+        n, (have, want) = next(iter(wrong.items()))
+        raise ImatrixError(
+            f"export.imatrix: {source} was computed on a model of other widths: {len(wrong)} of its {len(matched)} tensors "
+            f"differ, e.g. {n} holds {have} values and {model}'s {n} takes {want} inputs; give the imatrix of this model, "
+            "`auto` to compute one from the training data, or `off`")
+    return matched
+
+
+def widths_in_gguf(info: dict) -> dict[str, int]:
+    """GGUF tensor name -> input width of each matrix in a converted model (llamacpp.read_gguf)."""
+    return {n: int(shape[0]) for n, shape in info.get("tensor_shapes", {}).items() if len(shape) >= 2}
+
+
+def widths_before_conversion(model_dir: Path, vocab_info: dict) -> dict[str, int]:
+    """The same, before any GGUF of the model exists: the checkpoint's matrices named as the converter will name them
+    (gguf-py's TensorNameMap for the architecture the converter chose, read off its vocabulary-only GGUF)."""
+    import gguf
+
+    from stages.modelcheck import read_header
+
+    arch_name = vocab_info["fields"].get("general.architecture")
+    arch = next((a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch_name), None)
+    if arch is None:
+        return {}
+    tmap = gguf.get_tensor_name_map(arch, int(vocab_info["fields"].get(f"{arch_name}.block_count", 0)))
+    widths = {}
+    for f in sorted(Path(model_dir).glob("*.safetensors")):
+        header, problem = read_header(f)
+        for name, v in ({} if problem else header).items():
+            if name == "__metadata__" or len(v["shape"]) != 2 or not name.endswith(".weight"):
+                continue
+            gname = tmap.get_name(name, try_suffixes=(".weight",))
+            if gname:
+                widths[gname if gname.endswith(".weight") else f"{gname}.weight"] = int(v["shape"][-1])
+    return widths
 
 
 def calibration_ids(cfg, tokenizer, max_tokens: int) -> tuple[list[list[int]], str]:

@@ -156,6 +156,18 @@ def _add_bos() -> bool:
     return bool(llama_cpp.llama_vocab_get_add_bos(llama_cpp.llama_model_get_vocab(_llm.model)))
 
 
+def _end_of_generation() -> list[str]:
+    """The text of every token llama.cpp ends a generation at (EOS, end of turn, end of message: llama_vocab_is_eog),
+    end-of-turn first: what a server's stop list must hold for this model."""
+    import llama_cpp
+
+    vocab = llama_cpp.llama_model_get_vocab(_llm.model)
+    eot = llama_cpp.llama_vocab_eot(vocab)
+    ids = [t for t in range(llama_cpp.llama_vocab_n_tokens(vocab)) if llama_cpp.llama_vocab_is_eog(vocab, t)]
+    ids.sort(key=lambda t: t != eot)
+    return [llama_cpp.llama_vocab_get_text(vocab, t).decode(errors="replace") for t in ids]
+
+
 def _pieces(ids: list[int]) -> list[str]:
     return [_llm.detokenize([t]).decode(errors="replace") for t in ids]
 
@@ -181,6 +193,7 @@ def _signal_name(n: int) -> str:
 
 # VmHWM, not ru_maxrss: the latter starts at the (torch) parent's peak, inherited across fork and exec.
 WORKER = {"load": _load, "gpu_offload": _gpu_offload, "scores": _scores, "tokenize": _tokenize, "pieces": _pieces, "add_bos": _add_bos,
+          "end_of_generation": _end_of_generation,
           "chat": _chat, "peak_rss_gib": memory.peak_rss_gib}
 
 

@@ -149,6 +149,10 @@ def imatrix_lines(info: dict | None) -> list[str]:
     """What the importance matrix was made from and, per type, both files' figures and which was kept."""
     if not info:
         return []
+    if not info.get("used_by", list(info.get("choices", {}))):
+        return ["", "## Importance matrix", "",
+                f"An importance matrix ({info['dataset']}, {info['tensors']} tensors) was tried on each type and no type was "
+                "closer to the merged model with it: every file here is quantized without one, and the matrix is not in this bundle."]
     rows = ["", "## Importance matrix", "",
             f"`imatrix.gguf` (in this bundle; `llama-quantize --imatrix imatrix.gguf` reads it): the merged model's input "
             f"activations on {info['dataset']}, {info['chunks']} chunks, {info['tensors']} tensors; never the held-out texts "
@@ -161,6 +165,14 @@ def imatrix_lines(info: dict | None) -> list[str]:
         rows.append(f"| {quant} | {c['kept']} | {p['mean_kl']} | {i['mean_kl']} | {p['top1_agreement']} | {i['top1_agreement']} | "
                     f"{p['size_mib']:.1f} / {i['size_mib']:.1f} |")
     return rows
+
+
+def _merged_into(merge: dict) -> str:
+    """What the adapter was merged into, in the precision the merged model was saved in."""
+    dtype = merge.get("save_dtype")
+    if merge.get("base") == "dequantized-nf4":
+        return f"merged into the NF4 weights it trained against, dequantized to {dtype or '16 bits'},"
+    return f"merged into the base's original {dtype} weights" if dtype else "merged into the base's original weights"
 
 
 def readme(manifest: dict, modelfile_template: TurnTemplate | None) -> str:
@@ -187,7 +199,7 @@ def readme(manifest: dict, modelfile_template: TurnTemplate | None) -> str:
         f"# {manifest['model_name']} — {manifest['version']}",
         "",
         f"A {'QLoRA' if manifest['adapter']['method'] == 'qlora' else 'LoRA'} fine-tune of `{base['name_or_path']}` (weights sha256 `{base['sha256'][:16]}…`), "
-        f"merged into the {manifest.get('merge', {}).get('base', '16bit')} base and exported to GGUF by train-and-export.",
+        f"{_merged_into(manifest.get('merge') or {})} and exported to GGUF by train-and-export.",
         f"Data fingerprint `{manifest['data_fingerprint'][:16]}…`; llama.cpp (llama-cpp-python) {manifest['versions'].get('llama_cpp_python')}; "
         f"Prefect flow run `{manifest.get('prefect_flow_run_id')}`.",
         "",
@@ -196,7 +208,7 @@ def readme(manifest: dict, modelfile_template: TurnTemplate | None) -> str:
         *rows,
         "",
         "Verify: `sha256sum -c SHA256SUMS`. KL and top-1 compare each file's next-token distribution with the merged "
-        "16-bit model on held-out texts (llama.cpp on Llama-3-8B, for scale: Q4_K_M KL 0.031, top-1 91.9%).",
+        "model on held-out texts (llama.cpp on Llama-3-8B, for scale: Q4_K_M KL 0.031, top-1 91.9%).",
         *imatrix_lines(manifest.get("imatrix")),
         *([] if not any(f.get("n_fallback") for f in files) else [
             "",

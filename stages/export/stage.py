@@ -32,11 +32,10 @@ from pathlib import Path
 from stages import data, errors, memory
 from stages.config import QUANT_FTYPES, RunConfig, load_config
 from stages.errors import MissingInput
-from stages.export import convert, fidelity, imatrix, llamacpp, quant_types
+from stages.export import convert, fidelity, imatrix, llamacpp, quant_types, vocab
 from stages.export.llamacpp_process import LlamaProcess
 from stages.memory import MemoryReport
-from stages.modelio import load_tokenizer
-
+from stages.modelio import load_tokenizer, resolve_model_dir
 
 IMATRIX_FILE = "imatrix.gguf"
 # Types whose quantization reads an importance matrix and whose type rule does not depend on having one
@@ -80,6 +79,7 @@ def run(cfg: RunConfig, merged_dir: Path, out_dir: Path) -> ExportResult:
         raise MissingInput(f"{merged_dir.resolve()} is not a model directory; point --merged at the merge stage's `model` directory")
     converter = llamacpp.converter_dir()
     tokenizer = load_tokenizer(cfg.model)
+    model_dir = resolve_model_dir(cfg.model.name_or_path)  # the user's files: what a tokenizer message names
     out_dir.mkdir(parents=True, exist_ok=True)
 
     seconds: dict[str, float] = {}
@@ -94,15 +94,15 @@ def run(cfg: RunConfig, merged_dir: Path, out_dir: Path) -> ExportResult:
 
     with memory.track("export", out_dir) as meter, _no_partial_files(out_dir):
         base = out_dir / f"model-{cfg.export.outtype}.gguf"
-        converted = convert.convert(meter, converter, merged_dir, base, cfg.export.outtype)
+        converted = convert.convert(meter, converter, merged_dir, base, cfg.export.outtype, source=model_dir)
         lap(f"convert_{cfg.export.outtype}")
         rows = json.loads((merged_dir / "config.json").read_text()).get("vocab_size")
-        checks = {"base": check_tokenizer(llamacpp.read_gguf(base), tokenizer, rows)}
+        checks = {"base": vocab.check_metadata(llamacpp.read_gguf(base), tokenizer, rows, base.name, model_dir)}
         texts = data.held_out_texts(cfg, tokenizer, 20)
         if converted.pre_tokenizer:  # named from tokenizer.json, not recognized by the converter: prove it on its probe text
             texts.append(convert.probe_text(converter))
             checks["pre_tokenizer"] = {"name": converted.pre_tokenizer, "from": "tokenizer.json", "probe_text_compared": True}
-        checks["tokenization"] = check_tokenization(base, tokenizer, texts)
+        checks["tokenization"] = vocab.check_tokenization(base, tokenizer, texts, base.name, model_dir)
         lap("tokenizer_checks")
         imat = importance_matrix(cfg, tokenizer, merged_dir, base, out_dir)
         if imat is not None:
@@ -111,7 +111,7 @@ def run(cfg: RunConfig, merged_dir: Path, out_dir: Path) -> ExportResult:
         made: list[GgufFile] = []  # every quantized file: plain, and with the imatrix where the type reads one
         for quant in cfg.export.quant_types:
             for with_imatrix in (None, means) if means is not None and quant in IMATRIX_QUANTS else (None,):
-                made.append(quantize_one(quant, base, out_dir, tokenizer, rows, checks, with_imatrix))
+                made.append(quantize_one(quant, base, out_dir, tokenizer, rows, checks, with_imatrix, model_dir))
             lap(f"quantize_{quant}")
         measured = check_fidelity(cfg, tokenizer, merged_dir, [(cfg.export.outtype, base)] + [(f.quant, f.path) for f in made],
                                   gate=False)
@@ -122,7 +122,9 @@ def run(cfg: RunConfig, merged_dir: Path, out_dir: Path) -> ExportResult:
         meter.extra["seconds"] = seconds
     imatrix_info = None if imat is None else {
         "file": str(out_dir / IMATRIX_FILE), "tokens": imat.tokens, "chunks": imat.chunks, "dataset": imat.dataset,
-        "tensors": len(imat.sums), "not_covered": imat.skipped, "seconds": imat.seconds, "choices": choices}
+        "tensors": len(imat.sums), "not_covered": imat.skipped, "seconds": imat.seconds, "choices": choices,
+        # the types whose kept file was quantized with it: the bundle ships imatrix.gguf only if there is one
+        "used_by": [q for q, c in choices.items() if c["kept"] == "imatrix"]}
     result = ExportResult(base, files, llamacpp.runtime_version(), meter.report, checks=checks, fidelity=drift, seconds=seconds,
                           imatrix=imatrix_info)
     done.write_text(json.dumps(memory.jsonable(result), indent=2))
@@ -165,6 +167,10 @@ def importance_matrix(cfg: RunConfig, tokenizer, merged_dir: Path, base: Path, o
     tmp = out_dir / f"{IMATRIX_FILE}.partial"
     if cfg.export.imatrix != "auto":
         imat = imatrix.load(Path(cfg.export.imatrix))
+        used = imatrix.check_against(imat, imatrix.widths_in_gguf(llamacpp.read_gguf(base)), Path(cfg.export.imatrix), base.name)
+        imat.skipped = sorted(set(imat.sums) - set(used))  # names this model does not have: not handed to the quantizer
+        imat.sums = {n: imat.sums[n] for n in used}
+        imat.counts = {n: imat.counts[n] for n in used}
         shutil.copyfile(cfg.export.imatrix, tmp)  # handed on as given
     else:
         from transformers import AutoModelForCausalLM
@@ -186,7 +192,7 @@ def importance_matrix(cfg: RunConfig, tokenizer, merged_dir: Path, base: Path, o
 
 
 def quantize_one(quant: str, base: Path, out_dir: Path, tokenizer, rows: int | None, checks: dict,
-                 means: dict | None) -> GgufFile:
+                 means: dict | None, model_dir: Path) -> GgufFile:
     """One quantized file (with the importance matrix `means`, if given), checked (types, tokenizer) before it gets its name."""
     path = out_dir / (f"model-{quant}.gguf" if means is None else f"model-{quant}.imatrix.gguf")
     tmp = path.with_suffix(".gguf.partial")
@@ -197,7 +203,7 @@ def quantize_one(quant: str, base: Path, out_dir: Path, tokenizer, rows: int | N
         print(log.read_text())
     info = llamacpp.read_gguf(tmp)
     fallbacks = check_quant_types(info, quant, tmp)
-    checks[quant if means is None else f"{quant}-imatrix"] = check_tokenizer(info, tokenizer, rows)
+    checks[quant if means is None else f"{quant}-imatrix"] = vocab.check_metadata(info, tokenizer, rows, path.name, model_dir)
     tmp.rename(path)
     f = GgufFile(quant, path, QUANT_FTYPES[quant], round(path.stat().st_size / 2**20, 3), llamacpp.type_counts(info),
                  sum(fallbacks.values()), fallbacks, imatrix=means is not None)
@@ -263,70 +269,6 @@ def quant_summary(f: GgufFile, log: Path) -> str:
     fell = (f"{f.n_fallback} of {sum(f.tensor_types.values())} tensors fell back (rows not a multiple of 256): "
             + ", ".join(f"{k} {n}" for k, n in f.fallbacks.items())) if f.n_fallback else "no fallbacks"
     return f"export: {f.path.name} {f.size_mib:.1f} MiB: {types}; {fell}; per-tensor log {log.name}"
-
-
-def check_tokenizer(info: dict, tokenizer, model_vocab: int | None = None) -> dict:
-    """Vocabulary, special ids and chat template as the HF tokenizer has them.
-
-    The converter pads the GGUF vocabulary to the model's embedding rows (Qwen2-7B: 151,646
-    tokens, 152,064 rows), so either size is right; anything else is not.
-    """
-    f = info["fields"]
-    got = {
-        "vocab_size": f.get("tokenizer.ggml.tokens", {}).get("array_len"),
-        "bos_token_id": f.get("tokenizer.ggml.bos_token_id"),
-        "eos_token_id": f.get("tokenizer.ggml.eos_token_id"),
-        "chat_template": f.get("tokenizer.chat_template"),
-    }
-    want = {
-        "vocab_size": len(tokenizer),
-        "bos_token_id": tokenizer.bos_token_id,
-        "eos_token_id": tokenizer.eos_token_id,
-        "chat_template": tokenizer.chat_template,
-    }
-    if model_vocab and got["vocab_size"] == model_vocab:
-        want["vocab_size"] = model_vocab
-    bad = {k: (got[k], want[k]) for k in want if want[k] is not None and got[k] != want[k]}
-    if bad:
-        raise ValueError("GGUF tokenizer metadata differs from the HF tokenizer: " + "; ".join(
-            f"{k}: gguf {str(g)[:80]!r} vs hf {str(w)[:80]!r}" for k, (g, w) in bad.items()))
-    return {k: v for k, v in got.items() if k != "chat_template"} | {"chat_template_equal": True}
-
-
-def check_tokenization(gguf_path: Path, tokenizer, texts: list[str]) -> dict:
-    """The GGUF's tokenizer must produce the ids training used, text for text.
-
-    A mismatch (typically a "▁" llama.cpp puts after special tokens that the HF tokenizer
-    does not) makes every served prompt slightly foreign to the model.
-    """
-    with LlamaProcess(gguf_path.name) as vocab:
-        vocab.call("load", str(gguf_path), vocab_only=True)
-        for text, gg in zip(texts, vocab.call("tokenize", texts), strict=True):
-            hf = tokenizer(text, add_special_tokens=False)["input_ids"]
-            if hf != gg:
-                i = next((k for k, (a, b) in enumerate(zip(hf, gg, strict=False)) if a != b), min(len(hf), len(gg)))
-                hf_pieces, gg_pieces = tokenizer.convert_ids_to_tokens(hf[i:i + 3]), vocab.call("pieces", gg[i:i + 3])
-                raise ValueError(
-                    f"{gguf_path.name} tokenizes differently from the HF tokenizer at token {i} of {text[:60]!r}: "
-                    f"hf {hf_pieces} vs gguf {gg_pieces}; {space_fix(hf_pieces, gg_pieces)}"
-                )
-    return {"texts_compared": len(texts), "identical": True}
-
-
-def space_fix(hf_pieces: list[str], gguf_pieces: list[str]) -> str:
-    """The fix for a SentencePiece word-start space ("▁") that one side puts after a special token and the other does
-    not. llama.cpp follows the GGUF's add_space_prefix, which the converter sets per architecture (on for Llama, off
-    for Gemma); the HF tokenizer follows `legacy`, so the fix is on the HF side, in the direction llama.cpp goes."""
-    hf_space = bool(hf_pieces) and hf_pieces[0].startswith("▁")
-    gguf_space = bool(gguf_pieces) and gguf_pieces[0].startswith(("▁", " "))
-    if gguf_space and not hf_space:
-        return ("llama.cpp puts a word-start space after special tokens and the HF tokenizer does not: set \"legacy\": true "
-                "in the model's tokenizer_config.json")
-    if hf_space and not gguf_space:
-        return ("the HF tokenizer puts a word-start space after special tokens and llama.cpp does not (this architecture's "
-                "GGUF has no space prefix): set \"legacy\": false in the model's tokenizer_config.json")
-    return ("the two tokenizers split this text differently: give the tokenizer files the model was released with "
-            "(tokenizer.json / tokenizer.model beside config.json)")
 
 
 def _load(path: Path) -> ExportResult:
