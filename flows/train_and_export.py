@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import faulthandler
 import json
 import os
@@ -121,7 +122,12 @@ def stage(name: str, fn, *, gpu: bool):
             raise RuntimeError(f"injected failure at the start of {name} (TAE_FAIL_STAGE)")
         with gpu_slot(f"stage {name} of flow run {flow_run.id or 'local'}") if gpu else contextlib.nullcontext() as how:
             start = time.time()
-            result = fn(*args, **kwargs)
+            try:
+                result = fn(*args, **kwargs)
+            except OSError as e:  # a full disk whose write named no file: the stage's own directory is what was written
+                if e.errno == errno.ENOSPC and not e.filename and not isinstance(e, errors.DiskFull):
+                    raise errors.no_space(e, Path(args[-1])) from e
+                raise
             if gpu:  # when the slot was held, for the record (and the one-GPU-job-at-a-time test)
                 slot = {"stage": name, "acquired": start, "released": time.time(), "flow_run_id": str(flow_run.id), "by": how}
                 (Path(args[-1]) / "gpu_slot.json").write_text(json.dumps(slot))

@@ -111,7 +111,7 @@ def served_tokenizer(cfg: RunConfig, tokenizer, gguf: Path, model_dir: Path) -> 
     what = f"the GGUF vocabulary llama.cpp's converter makes from {model_dir}"
     vocab.check_metadata(info, tokenizer, rows, what, model_dir)
     texts = data.held_out_texts(cfg, tokenizer, SAMPLE_TEXTS)
-    texts += [tokenizer.apply_chat_template(list(s.messages), tokenize=False) for s in data.train_samples(cfg)[:SAMPLE_TEXTS]]
+    texts += [data.chat_text(s, tokenizer) for s in data.train_samples(cfg)[:SAMPLE_TEXTS]]
     if gguf_convert.pre_tokenizer(model_dir):
         texts.append(gguf_convert.probe_text(llamacpp.converter_dir()))
     vocab.check_tokenization(gguf, tokenizer, [t for t in texts if t], what, model_dir)

@@ -435,7 +435,15 @@ def held_out(cfg, limit: int) -> list[Sample]:
 
 def held_out_texts(cfg, tokenizer, limit: int) -> list[str]:
     """The held-out samples as whole chat texts, through the tokenizer's chat template."""
-    return [tokenizer.apply_chat_template(list(s.messages), tokenize=False) for s in held_out(cfg, limit)]
+    return [chat_text(s, tokenizer) for s in held_out(cfg, limit)]
+
+
+def chat_text(sample: Sample, tokenizer) -> str:
+    """One sample as a whole chat text; a template that fails on it is a DataError naming the culprit."""
+    try:
+        return tokenizer.apply_chat_template(list(sample.messages), tokenize=False)
+    except Exception as e:  # noqa: BLE001 - a template that raises, a tokenizer that chokes on a character
+        raise _sample_failure(sample, tokenizer, e) from e
 
 
 def fingerprint(paths: list[Path]) -> str:
@@ -478,15 +486,19 @@ def _encode_all(samples: list[Sample], tokenizer) -> Tokenized:
         except DataError:
             raise
         except Exception as e:  # a template that raises, a tokenizer that chokes on a character
-            from stages.modelcheck import template_at_fault, template_problem
-
-            if template_at_fault(e):
-                raise DataError(template_problem(tokenizer, e)) from e
-            raise DataError(f"{s.id}: the tokenizer or chat template failed on this sample: {type(e).__name__}: {e}") from e
+            raise _sample_failure(s, tokenizer, e) from e
         out.input_ids.append(ids)
         out.labels.append(labels)
         out.ids.append(s.id)
     return out
+
+
+def _sample_failure(s: Sample, tokenizer, e: BaseException) -> DataError:
+    from stages.modelcheck import template_at_fault, template_problem
+
+    if template_at_fault(e):
+        return DataError(template_problem(tokenizer, e))
+    return DataError(f"{s.id}: the tokenizer or chat template failed on this sample: {type(e).__name__}: {e}")
 
 
 def _apply_policy(tok: Tokenized, max_length: int, policy: str) -> Tokenized:

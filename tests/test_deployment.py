@@ -183,13 +183,26 @@ def test_new_data_starts_exactly_one_run_and_no_change_none(server):
     before = pipeline_runs()
     check = notify()
     assert check.state.is_completed() and pipeline_runs() == before
-    # new data lands: one run
-    train_file = Path(yaml.safe_load(Path(server.config).read_text())["data"]["train_file"])
+    # new data lands, with a new held-out set: one run, judged against the champion on the new held-out prompts (the
+    # champion's GGUFs answer them too), promoted or kept as a candidate, never a crash after training
+    data = yaml.safe_load(Path(server.config).read_text())["data"]
+    train_file, eval_file = Path(data["train_file"]), Path(data["eval_file"])
     train_file.write_text(train_file.read_text() + train_file.read_text().splitlines()[0] + "\n")
+    held_out = eval_file.read_text()
+    eval_file.write_text("".join(held_out.splitlines(True)[10:]))
     notify()
     _wait(lambda: pipeline_runs() == before + 1, 60, "the retraining run")
     newest = max(server.runs_of("train-and-export/default"), key=lambda r: r.created)
-    assert server.wait_done(newest.id).state.is_completed()
+    state = server.wait_done(newest.id).state
+    cfg = yaml.safe_load(Path(server.config).read_text())
+    root = Path(cfg["handoff"]["dir"]) / cfg["handoff"]["model_name"]
+    retrain = max((p for p in root.iterdir() if p.is_dir() and not p.is_symlink()), key=lambda p: p.stat().st_mtime)
+    comparison = (retrain / "comparison.md").read_text()
+    assert "the champion re-asked the current held-out prompts" in comparison and "the held-out data changed" in comparison, comparison
+    promoted = (root / "latest").resolve() == retrain.resolve()
+    assert (state.is_completed() and promoted) or (state.is_failed() and not promoted and "worse than the bundle" in state.message), state
+    if not promoted:  # the champion was judged on the earlier held-out set: the tests after this one compare on its data
+        eval_file.write_text(held_out)
     # the same new data again (a second event): the run it caused is the only one
     notify()
     assert pipeline_runs() == before + 1

@@ -13,8 +13,9 @@ from stages.errors import RunError
 from tests.conftest import write_config
 
 
-def gguf(tmp_path, name, payload: bytes):
-    """A real (tiny) GGUF: the tiny model's chat template and special ids, one tensor holding `payload`."""
+def gguf(tmp_path, name, payload: bytes, extra_tokens: tuple[str, ...] = ()):
+    """A real (tiny) GGUF: the tiny model's vocabulary (plus `extra_tokens`, as control tokens), chat template and
+    special ids, one tensor holding `payload`."""
     import numpy as np
     from gguf import GGUFWriter
 
@@ -25,9 +26,9 @@ def gguf(tmp_path, name, payload: bytes):
     p.unlink(missing_ok=True)  # a new file, as export writes one (a .partial renamed into place): a published link keeps the old
     w = GGUFWriter(str(p), "llama")
     w.add_tokenizer_model("llama")  # the vocabulary llama.cpp loads to tell the hand-off its stop tokens
-    w.add_token_list(tok.convert_ids_to_tokens(list(range(len(tok)))))
-    w.add_token_scores([0.0] * len(tok))
-    w.add_token_types([3 if i in tok.all_special_ids else 1 for i in range(len(tok))])  # CONTROL / NORMAL
+    w.add_token_list(tok.convert_ids_to_tokens(list(range(len(tok)))) + list(extra_tokens))
+    w.add_token_scores([0.0] * (len(tok) + len(extra_tokens)))
+    w.add_token_types([3 if i in tok.all_special_ids else 1 for i in range(len(tok))] + [3] * len(extra_tokens))  # CONTROL / NORMAL
     w.add_chat_template(tok.chat_template)
     w.add_bos_token_id(tok.bos_token_id)
     w.add_eos_token_id(tok.eos_token_id)
@@ -88,6 +89,18 @@ def test_bundle_has_a_modelfile_and_model_card_checked_by_sha256sums(tmp_path):
     listed = {line.split()[1] for line in (b.bundle_dir / "SHA256SUMS").read_text().splitlines()}
     assert listed == {"model-Q4_K_M.gguf", "model-Q5_K_S.gguf", "manifest.json", "Modelfile", "README.md", "comparison.md", "comparison.json"}
     subprocess.run(["sha256sum", "-c", "SHA256SUMS"], cwd=b.bundle_dir, check=True, capture_output=True)
+
+
+def test_the_bundle_stops_where_llama_cpp_stops_gemma_s_end_of_turn_included(tmp_path):
+    """Gemma ends a turn with <end_of_turn>, not its EOS: llama.cpp stops there (its end-of-generation set), and the
+    Modelfile and the model card must say so too, or Ollama answers run on past the turn."""
+    cfg = load_config(write_config(tmp_path))
+    b = publish(cfg, "v1", [("Q4_K_M", gguf(tmp_path, "model-Q4_K_M.gguf", b"one", extra_tokens=("<end_of_turn>",)))], tmp_path)
+    modelfile = (b.bundle_dir / "Modelfile").read_text()
+    assert 'PARAMETER stop "<end_of_turn>"' in modelfile and 'PARAMETER stop "</s>"' in modelfile
+    assert modelfile.index("<end_of_turn>") < modelfile.index('stop "</s>"')  # the end of turn first
+    assert "Generation stops at: '<end_of_turn>', '</s>'." in (b.bundle_dir / "README.md").read_text()
+    assert json.loads((b.bundle_dir / "manifest.json").read_text())["stop_tokens"] == ["<end_of_turn>", "</s>"]
 
 
 def test_disk_full_mid_write_publishes_nothing(tmp_path, monkeypatch):

@@ -91,7 +91,7 @@ def test_off_quantizes_once_and_a_missing_file_is_named(tmp_path):
     ex = export.run(cfg, BASE, tmp_path / "export")
     assert ex.imatrix is None and not (tmp_path / "export" / "imatrix.gguf").exists() and not ex.files[0].imatrix
     cfg = load_config(write_config(tmp_path, export={"quant_types": ["Q4_K_M"], "imatrix": str(tmp_path / "none.gguf")}))
-    with pytest.raises(imatrix.ImatrixError, match=r"export.imatrix names .*none.gguf, which is not a file"):
+    with pytest.raises(imatrix.ImatrixError, match=r"export.imatrix names .*none.gguf, which is not there"):
         export.run(cfg, BASE, tmp_path / "export2")
 
 

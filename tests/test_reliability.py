@@ -199,6 +199,73 @@ ESCAPE = "{{ ''.__class__.__mro__[1].__subclasses__() }}"
 PLAIN_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
 
 
+def _tokenizer_config(ws: Workspace, **changes) -> None:
+    path = ws.model / "tokenizer_config.json"
+    path.write_text(json.dumps(json.loads(path.read_text()) | changes))
+
+
+def _tokenizer_json(ws: Workspace, kind: str) -> None:
+    """A tokenizer.json beside (or instead of) the SentencePiece model, as a hand-made or mismatched tokenizer has it:
+    `chars`, a BPE with no merges (every word split into characters) beside tokenizer.model, which llama.cpp's
+    converter reads instead; `wordlevel`, a word-level tokenizer alone, which the converter cannot read."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import AutoTokenizer
+
+    vocab = AutoTokenizer.from_pretrained(ws.model).get_vocab()
+    if kind == "chars":
+        tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first")
+        tok.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="first")
+        tok.add_special_tokens(["<s>", "</s>", "<unk>"])
+    else:
+        tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+        tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+        (ws.model / "tokenizer.model").unlink()
+    tok.save(str(ws.model / "tokenizer.json"))
+
+
+def _imatrix(ws: Workspace, names: dict[str, int]) -> None:
+    """export.imatrix: an importance matrix of `names` (GGUF tensor -> width), as llama-imatrix writes one."""
+    import numpy as np
+
+    from stages.export import imatrix
+
+    path = ws.tmp / "imatrix.gguf"
+    imatrix.Imatrix({n: np.ones(w, np.float32) for n, w in names.items()}, {n: 512 for n in names}, 512, 1, "other.txt").write(path)
+    ws.set("export", imatrix=str(path))
+
+
+def _model_gguf(ws: Workspace) -> None:
+    """export.imatrix pointing at a model GGUF (the wrong file of a bundle)."""
+    import numpy as np
+    from gguf import GGUFWriter
+
+    path = ws.tmp / "model-Q4_K_M.gguf"
+    w = GGUFWriter(str(path), "llama")
+    w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    ws.set("export", imatrix=str(path))
+
+
+def _read_only(ws: Workspace, where: Path) -> list[str]:
+    where.mkdir(parents=True, exist_ok=True)
+    return [f"mount --bind {where} {where}", f"mount -o remount,bind,ro {where}"]
+
+
+def _latest_a_directory(ws: Workspace) -> None:
+    root = ws.tmp / "handoff" / "tiny-llama-translate"
+    (root / "latest").unlink()
+    (root / "latest").mkdir()
+    (root / "latest" / "model-Q4_K_M.gguf").write_bytes(b"copied by hand")
+
+
+def _no_handoff(ws: Workspace) -> None:
+    shutil.rmtree(ws.tmp / "handoff")
+
+
 def _empty_parquet(ws: Workspace) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -216,7 +283,9 @@ def _long_eval(ws: Workspace) -> None:
 
 
 def _published(ws: Workspace) -> None:
-    (ws.tmp / "handoff" / "tiny-llama-translate" / "taken").mkdir()
+    bundle = ws.tmp / "handoff" / "tiny-llama-translate" / "taken"
+    bundle.mkdir()
+    (bundle / "manifest.json").write_text("{}")
 
 
 def _other_config(ws: Workspace) -> None:
@@ -274,6 +343,10 @@ CASES = [
     Case("data", "a lone surrogate in a message", lambda ws: ws.lines({"messages": [{"role": "user", "content": "red cat"},
                                                                                  {"role": "assistant", "content": "rouge \udc00"}]}),
          "translate_train.jsonl:1: messages[1].content", before_training=True),
+    Case("data", "eval_file is the training file", lambda ws: ws.set("data", eval_file=str(ws.train)), "data.eval_file is the training file",
+         before_training=True),
+    Case("data", "eval_file a copy of training lines", lambda ws: ws.eval.write_text("".join(ws.train.read_text().splitlines(True)[:30])),
+         "30 of the 30 held-out samples", before_training=True),
     # config
     Case("config", "unknown key", lambda ws: ws.set("lora", rank=8), "lora.rank"),
     Case("config", "misspelt section", lambda ws: ws.set("trainng", max_steps=3), "trainng"),
@@ -302,6 +375,26 @@ CASES = [
     Case("config", "a budget the weights do not fit", lambda ws: ws.set("preflight", gpu_memory_gib=0.004), "weights"),
     Case("config", "a budget the step does not fit", lambda ws: ws.set("preflight", gpu_memory_gib=0.02), "max_tokens_per_batch"),
     Case("config", "smoke context shorter than the prompts", lambda ws: ws.set("smoke", n_ctx=20), "smoke.n_ctx"),
+    Case("config", "override value with a YAML tag", lambda ws: None, "training.max_steps=!!python/object:os.system",
+         args=("--set", "training.max_steps=!!python/object:os.system")),
+    Case("config", "override value with an unclosed brace", lambda ws: None, "lora.target_modules={q_proj", args=("--set", "lora.target_modules={q_proj")),
+    Case("config", "imatrix setting in capitals", lambda ws: ws.set("export", imatrix="AUTO"), "'AUTO' reads as the setting `auto`"),
+    Case("config", "imatrix none", lambda ws: ws.set("export", imatrix="none"), "'none' reads as the setting `off`"),
+    Case("config", "artifacts_dir a dangling link", lambda ws: ((ws.tmp / "gone").symlink_to(ws.tmp / "nowhere"),
+                                                               ws.sections.update(artifacts_dir=str(ws.tmp / "gone" / "artifacts"))),
+         "gone is a symbolic link"),
+    # the importance matrix a config names: found by the preflight, before any training
+    Case("export", "imatrix file missing", lambda ws: ws.set("export", imatrix=str(ws.tmp / "no-such.gguf")), "no-such.gguf",
+         before_training=True),
+    Case("export", "imatrix a directory", lambda ws: ws.set("export", imatrix=str(ws.data)), "is a directory", before_training=True),
+    Case("export", "imatrix random bytes", lambda ws: ((ws.tmp / "noise.gguf").write_bytes(os.urandom(4096)),
+                                                      ws.set("export", imatrix=str(ws.tmp / "noise.gguf"))), "noise.gguf is not a GGUF file",
+         before_training=True),
+    Case("export", "imatrix a model GGUF", _model_gguf, "model-Q4_K_M.gguf is a GGUF file but no importance matrix", before_training=True),
+    Case("export", "imatrix of another model's tensors", lambda ws: _imatrix(ws, {"blk.0.ffn_gate_exps.weight": 256, "blk.0.ssm_in.weight": 256}),
+         "names none of the tensors", before_training=True),
+    Case("export", "imatrix of other widths", lambda ws: _imatrix(ws, {f"blk.{i}.attn_q.weight": 4096 for i in range(2)}),
+         "imatrix.gguf was computed on a model of other widths", before_training=True),
     # trackers, export tools, disk: found by the preflight, before any training
     Case("environment", "MLflow server at a closed port", lambda ws: ws.set("training", report_to=["mlflow"]), "MLFLOW_TRACKING_URI",
          env=lambda ws: {"MLFLOW_TRACKING_URI": f"http://127.0.0.1:{_free_port()}"}, before_training=True),
@@ -359,11 +452,37 @@ CASES = [
     Case("model", "chat template whose escape only some data triggers", lambda ws: _chat_template(
         ws, "{% for m in messages %}{{ m['content'] }}{% if 'Translate' in m['content'] %}" + ESCAPE + "{% endif %}{% endfor %}"),
          "tokenizer_config.json (its chat_template)", before_training=True),
+    Case("model", "eos_token outside the vocabulary", lambda ws: _tokenizer_config(ws, eos_token="<|end|>"),
+         "eos_token '<|end|>' has id 448, outside the model's 448-row embedding table"),
+    Case("model", "eos_token null", lambda ws: _tokenizer_config(ws, eos_token=None), "has no eos_token"),
+    Case("model", "config.json eos_token_id contradicts the tokenizer", lambda ws: _model_config(ws, eos_token_id=5),
+         "eos_token_id is 5, but the tokenizer's eos_token is '</s>' (id 2)"),
+    Case("model", "config.json bos_token_id outside the vocabulary", lambda ws: _model_config(ws, bos_token_id=50000),
+         "bos_token_id 50000 is outside the vocabulary"),
+    Case("model", "llama.cpp tokenizes otherwise (legacy false)", lambda ws: _tokenizer_config(ws, legacy=False),
+         'set "legacy": true in', before_training=True),
+    Case("model", "chat template in two places that differ", lambda ws: (ws.model / "chat_template.jinja").write_text(PLAIN_TEMPLATE),
+         "chat_template gguf", before_training=True),
+    Case("model", "a tokenizer that splits into characters", lambda ws: _tokenizer_json(ws, "chars"),
+         "as many tokens as llama.cpp does", before_training=True),
+    Case("model", "a tokenizer the converter cannot read", lambda ws: _tokenizer_json(ws, "wordlevel"), "tokenizer.json",
+         before_training=True),
     # runs
     Case("run", "run id climbing out", lambda ws: None, "../escape", args=("--run-id", "../escape")),
     Case("run", "run id with a slash", lambda ws: None, "a/b", args=("--run-id", "a/b")),
     Case("run", "run id already published", _published, "taken", args=("--run-id", "taken")),
     Case("run", "run id of another config", _other_config, "mixed", args=("--run-id", "mixed")),
+    Case("run", "run id latest", lambda ws: None, "run id 'latest' is reserved", args=("--run-id", "latest")),
+    Case("run", "run id latest, nothing published yet", _no_handoff, "run id 'latest' is reserved", args=("--run-id", "latest")),
+    Case("run", "run id empty", lambda ws: None, "run id '' is empty", args=("--run-id", "")),
+    Case("run", "a file named like the run id", lambda ws: (ws.tmp / "handoff" / "tiny-llama-translate" / "r1").write_text("x"),
+         "r1 is a file, not a published bundle", args=("--run-id", "r1")),
+    Case("run", "an empty directory named like the run id", lambda ws: (ws.tmp / "handoff" / "tiny-llama-translate" / "r2").mkdir(),
+         "r2 is an empty directory, not a published bundle", args=("--run-id", "r2")),
+    Case("run", "latest a directory", _latest_a_directory, "latest is a directory, not the symbolic link", before_training=True),
+    Case("environment", "artifacts_dir read-only", lambda ws: ws.sections.update(artifacts_dir=str(ws.tmp / "ro-artifacts")),
+         "ro-artifacts cannot be written", mounts=lambda ws: _read_only(ws, ws.tmp / "ro-artifacts")),
+    Case("environment", "handoff.dir read-only", lambda ws: None, "handoff.dir", mounts=lambda ws: _read_only(ws, ws.tmp / "handoff")),
 ]
 
 
@@ -676,3 +795,115 @@ def test_every_entry_point_has_the_same_boundary(module, args, setup, names, tmp
     assert p.returncode == 2 and len(stopped) == 1 and "Traceback" not in p.stdout + p.stderr, (p.returncode, p.stderr[-2000:])
     assert names.lower() in p.stderr[p.stderr.index(stopped[0]):].lower(), p.stderr[-2000:]
     RESULTS["entry points"] += 1
+
+
+def _champion_and_challenger(tmp_path: Path, damage) -> tuple:
+    """A champion published by the hand-off, damaged by `damage(bundle)`, then a challenger judged far worse on the
+    same held-out data: the hand-off as the flow calls it."""
+    from stages.config import load_config
+    from tests.test_handoff import _judged
+    from tests.conftest import write_config
+
+    cfg = load_config(write_config(tmp_path))
+    first = _judged(cfg, "v1", tmp_path, 1.0, 0.010, 1.00)
+    damage(first.bundle_dir)
+    root = first.bundle_dir.parent
+    before = {p.name for p in root.iterdir()}
+    return _judged(cfg, "v2", tmp_path, 0.0, 0.500, 9.00), root, before
+
+
+def _rewrite(path: Path, change) -> None:
+    path.chmod(0o644)
+    path.write_bytes(change(path.read_bytes()))
+
+
+DAMAGED_CHAMPIONS = {
+    "a GGUF that no longer matches SHA256SUMS": (lambda b: _rewrite(b / "model-Q4_K_M-v1.gguf", lambda x: x[:-4] + b"XXXX"),
+                                                "model-Q4_K_M-v1.gguf does not match its SHA256SUMS"),
+    "a forged manifest": (lambda b: _rewrite(b / "manifest.json", lambda x: x.replace(b'"accuracy": 1.0', b'"accuracy": 9.0')),
+                          "manifest.json does not match its SHA256SUMS"),
+    "a manifest that is not JSON": (lambda b: _rewrite(b / "manifest.json", lambda x: x[: len(x) // 2]),
+                                    "manifest.json does not match its SHA256SUMS"),
+    "a manifest of another schema, re-summed": (lambda b: (_rewrite(b / "manifest.json", lambda x: b'{"smoke": "all good"}'),
+                                                           _resum(b)), "manifest.json is not a bundle manifest: smoke"),
+    "no SHA256SUMS": (lambda b: (b / "SHA256SUMS").unlink(), "it has no SHA256SUMS"),
+    "latest pointing at nothing": (lambda b: shutil.rmtree(b), "`latest` points at `v1`, which does not exist"),
+}
+
+
+def _resum(bundle: Path) -> None:
+    from stages import checksums
+
+    listed, _ = checksums.read(bundle)
+    sums = bundle / "SHA256SUMS"
+    sums.chmod(0o644)
+    sums.write_text(checksums.render({n: checksums.sha256_file(bundle / n) for n in listed}))
+
+
+@pytest.mark.parametrize("kind", sorted(DAMAGED_CHAMPIONS))
+def test_a_damaged_champion_is_named_and_treated_as_absent(kind, tmp_path, capfd):
+    """The bundle `latest` points at judges a retrain only if its files still match SHA256SUMS and its manifest holds
+    the figures; otherwise the comparison names what is wrong, the retrain is promoted (a damaged bundle cannot be the
+    bar), and the damaged one is left as it is for inspection."""
+    TRIED["champion"] += 1
+    damage, said = DAMAGED_CHAMPIONS[kind]
+    result, root, before = _champion_and_challenger(tmp_path, damage)
+    assert result.promoted and (root / "latest").resolve().name == "v2"
+    assert said in result.comparison and "treated as absent and not compared" in result.comparison, result.comparison
+    assert (result.bundle_dir / "comparison.md").read_text() == result.comparison
+    assert {p.name for p in root.iterdir()} == before | {"v2"}, "a stray file beside the versions"
+    assert "Traceback" not in "".join(capfd.readouterr())
+    RESULTS["champion"] += 1
+
+
+def test_an_unreadable_manifest_does_not_stop_the_retrain_check(tmp_path):
+    """flows.deploy's "did the data change?" reads the manifest `latest` points at: one that is not JSON means
+    "unknown", so the data is retrained on (and the hand-off then names the damaged bundle), not a traceback."""
+    from flows.deploy import last_published_fingerprint
+    from stages.config import load_config
+    from tests.conftest import write_config
+    from tests.test_handoff import _judged
+
+    TRIED["champion"] += 1
+    cfg = load_config(write_config(tmp_path))
+    first = _judged(cfg, "v1", tmp_path, 1.0, 0.010, 1.00)
+    assert last_published_fingerprint(cfg) == "f" * 64
+    _rewrite(first.bundle_dir / "manifest.json", lambda x: b"{not json")
+    assert last_published_fingerprint(cfg) is None
+    RESULTS["champion"] += 1
+
+
+def test_an_override_inside_a_threshold_map_changes_that_entry_only(tmp_path):
+    """--set export.fidelity.max_mean_kl.Q5_K_S=0.05 tightens Q5_K_S and leaves f16's gate at 0.01 (it once replaced
+    the map, and f16 fell to `default`, 0.1)."""
+    from stages.config import load_config
+    from tests.conftest import write_config
+
+    TRIED["config (accepted)"] += 1
+    path = write_config(tmp_path)
+    cfg = load_config(path, ["export.fidelity.max_mean_kl.Q5_K_S=0.05", "export.fidelity.min_top1.Q4_K_M=0.5"])
+    fid = cfg.export.fidelity
+    assert fid.thresholds("Q5_K_S") == (0.05, 0.80) and fid.thresholds("f16") == (0.01, 0.99) and fid.thresholds("Q4_K_M") == (0.10, 0.5)
+    assert fid.thresholds("bf16") == (0.01, 0.99)  # not in the YAML's partial map: the default entry, not `default`
+    RESULTS["config (accepted)"] += 1
+
+
+def test_a_full_disk_whose_write_names_no_file_names_the_stage_s_filesystem(tmp_path):
+    """artifacts_dir on a small filesystem of its own, filling while a library writes without naming its file (the
+    merged model's save): the message names that filesystem and the stage directory on it, not the one the command
+    was started from; nothing is published."""
+    TRIED["faults"] += 1
+    ws = Workspace(tmp_path)
+    ws.set("smoke", min_accuracy=0.0, max_prompts=5)
+    _on_tmpfs(ws, "artifacts_dir")
+    ws.write()
+    handoff = tree_hash(tmp_path / "handoff")
+    case = Case("faults", "full disk", lambda ws: None, "", mounts=lambda ws: _tmpfs(ws, "artifacts_dir", "64m"))
+    code, out, err = _in_new_process(case, ws, ["flows.train_and_export", "--config", str(ws.config), "--run-id", "full"],
+                                     {"TAE_INJECT": "merge-save"})
+    assert code == 2 and "Traceback" not in out + err, err[-3000:]
+    where = tmp_path / "small-artifacts_dir"
+    assert re.search(rf"stopped: DiskFull: no space left on the filesystem mounted at {where} \(.*\) while writing "
+                     rf"{where}/runs/full/merge; free", err), err[-2000:]
+    assert tree_hash(tmp_path / "handoff") == handoff
+    RESULTS["faults"] += 1

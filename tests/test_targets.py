@@ -19,6 +19,7 @@ from tests.conftest import REPO, write_config
 
 TINY_PHI3 = dict(model_type="phi3", architectures=["Phi3ForCausalLM"], hidden_size=64, intermediate_size=160, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, vocab_size=512, max_position_embeddings=512, pad_token_id=0,
+                 bos_token_id=1, eos_token_id=2,
                  tie_word_embeddings=False)
 
 
@@ -74,9 +75,19 @@ def test_a_fused_model_trains_its_fused_modules_and_says_so(phi3_dir, tmp_path, 
     assert r.steps == 3 and r.trainable_params == 2 * 8 * ((64 + 128) + (64 + 64))
     adapter = json.loads((tmp_path / "train" / "adapter" / "adapter_config.json").read_text())
     assert sorted(adapter["target_modules"]) == ["o_proj", "qkv_proj"]
-    pre = preflight.run(cfg, tmp_path / "pre")
+    # train_only: llama.cpp cannot read this made-up Phi-3 with a Llama tokenizer (the next test shows it refused)
+    pre = preflight.run(cfg, tmp_path / "pre", train_only=True)
     assert "LoRA adapts o_proj x2, qkv_proj x2: 0.01 M LoRA parameters at r=8. lora.target_modules: q_proj, v_proj are fused" in \
         pre.report_md.read_text()
+
+
+def test_a_vocabulary_llama_cpp_cannot_load_is_refused_before_training(phi3_dir, tmp_path):
+    from stages.export.vocab import TokenizerMismatch
+
+    cfg = load_config(write_config(tmp_path, model={"name_or_path": str(phi3_dir)}))
+    with pytest.raises(TokenizerMismatch, match=r"llama.cpp cannot load the vocabulary its converter writes from the tokenizer "
+                       r"files of .*phi3.*Give .* the tokenizer files the model was released with"):
+        preflight.run(cfg, tmp_path / "pre")
 
 
 def test_all_linear_adapts_every_linear_but_the_output_layer(phi3_dir, tmp_path):

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from peft import PeftModel
 
-from stages import memory
+from stages import errors, memory
 from stages.config import RunConfig, load_config
 from stages.errors import MissingInput
 from stages.export import fidelity
@@ -100,6 +100,7 @@ def run(cfg: RunConfig, adapter_dir: Path, out_dir: Path) -> MergeResult:
             memory.free_gpu()
             merged, diff = _merge(cfg, adapter_dir, best, sequences)
         choice = best
+        errors.inject("merge-save")  # a library's write that names no file, as safetensors' does
         merged.to(save_dtype).save_pretrained(merged_dir, safe_serialization=True)
         meter.extra |= {"max_abs_logit_diff": diff, "base": choice, "kl": kl}
     save_tokenizer(tokenizer, base_dir, merged_dir)

@@ -148,7 +148,14 @@ def check_tokenization(gguf_path: Path, tokenizer, texts: list[str], what: str, 
     every served prompt slightly foreign to the model; a tokenizer.json that splits characters apart makes every
     training sample several times longer than the model was trained on."""
     with LlamaProcess(gguf_path.name) as vocab:
-        vocab.call("load", str(gguf_path), vocab_only=True)
+        try:
+            vocab.call("load", str(gguf_path), vocab_only=True)
+        except ValueError as e:   # llama.cpp logged its reason (TAE_LLAMA_VERBOSE=1 keeps the log) and returned no model
+            raise TokenizerMismatch(
+                f"{what}: llama.cpp cannot load the vocabulary its converter writes from the tokenizer files of {model_dir} "
+                f"({e}); no export of this model would run. "
+                f"Give {model_dir} the tokenizer files the model was released with (set TAE_LLAMA_VERBOSE=1 to see llama.cpp's "
+                "reason)") from None
         ours = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
         theirs = vocab.call("tokenize", texts)
         n_hf, n_gguf = sum(map(len, ours)), sum(map(len, theirs))
@@ -181,7 +188,7 @@ def space_fix(hf_pieces: list[str], gguf_pieces: list[str], tokenizer=None, mode
     for Gemma); the HF tokenizer follows `legacy`, so the fix is on the HF side, in the direction llama.cpp goes, and
     only where `legacy` is not set that way already (a byte-level BPE tokenizer has no such switch)."""
     config = f"{model_dir / 'tokenizer_config.json'}" if model_dir else "the model's tokenizer_config.json"
-    sentencepiece = any(p.startswith("▁") for p in hf_pieces + gguf_pieces)
+    sentencepiece = not any(p.startswith("Ġ") for p in hf_pieces)  # a byte-level BPE marks spaces with Ġ, and has no `legacy`
     hf_space = bool(hf_pieces) and hf_pieces[0].startswith("▁")
     gguf_space = bool(gguf_pieces) and gguf_pieces[0].startswith(("▁", " "))
     legacy = getattr(tokenizer, "legacy", None)
