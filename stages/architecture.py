@@ -16,6 +16,9 @@ import functools
 import json
 from dataclasses import dataclass, field
 
+from stages import moe
+from stages.moe import ExpertStack, MoeParts
+
 # Fused projections: one module computes what Llama-style models split in several. LoRA on the fused
 # module adapts all of its parts (its lora_B has a block for each).
 FUSED = {
@@ -27,6 +30,10 @@ FUSED = {
     "gate_up_proj": ("gate_proj", "up_proj"),            # Phi-3, Phi-4
 }
 LINEAR_TYPES = ("Linear", "Linear4bit", "Linear8bitLt", "Conv1D")  # what peft's LoRA adapts as a linear layer
+# Names a LoRA config written for per-expert nn.Linear MLPs (transformers 4, Mixtral's w1/w2/w3) gives the
+# projections the fused expert stacks now hold
+EXPERT_ALIASES = {"gate_proj": "gate_up_proj", "up_proj": "gate_up_proj", "w1": "gate_up_proj", "w3": "gate_up_proj",
+                  "w2": "down_proj"}
 
 
 @dataclass(frozen=True)
@@ -52,6 +59,7 @@ class Architecture:
     tied: bool
     output_layer: str | None = None       # lm_head's leaf name: never a LoRA target under all-linear
     parameters: dict[str, tuple[int, ...]] = field(default_factory=dict, repr=False)  # name -> shape: what the weights must hold
+    experts: MoeParts = field(default_factory=MoeParts)  # routed expert stacks (3-D parameters), routers, shared experts
 
     @property
     def linear_params(self) -> int:
@@ -65,14 +73,39 @@ class Targets:
     modules: list[str]                    # leaf names, in the model's order
     notes: list[str]                      # one line per requested name mapped onto a fused module
     linears: list[Linear]
+    stacks: list[ExpertStack] = field(default_factory=list)   # routed expert stacks, adapted per expert
+    parameters: list[str] = field(default_factory=list)       # peft's target_parameters naming exactly `stacks`
+    experts: MoeParts = field(default_factory=MoeParts)       # what the model has, adapted or not
 
-    def params(self, r: int) -> int:
-        """LoRA parameters: r x (in + out) per adapted instance (lora_A and lora_B)."""
+    def linear_params(self, r: int) -> int:
+        """LoRA parameters on the linear modules: r x (in + out) per adapted instance (lora_A and lora_B)."""
         return sum(r * (i + o) for m in self.linears for i, o in m.shapes)
 
+    def expert_params(self, r: int) -> int:
+        """LoRA parameters on the expert stacks: one rank-r adapter per expert."""
+        return sum(s.lora_params(r) for s in self.stacks)
+
+    def params(self, r: int) -> int:
+        return self.linear_params(r) + self.expert_params(r)
+
     def summary(self, r: int) -> str:
-        return (", ".join(f"{m.name} x{len(m.shapes)}" for m in self.linears)
-                + f": {self.params(r) / 1e6:.2f} M LoRA parameters at r={r}")
+        linears = ", ".join(f"{m.name} x{len(m.shapes)}" for m in self.linears)
+        out = f"{linears}: {self.linear_params(r) / 1e6:.2f} M LoRA parameters at r={r}" if linears else ""
+        if self.experts.stacks:
+            if self.stacks:
+                leaves = {}
+                for s in self.stacks:
+                    leaves.setdefault(s.leaf, []).append(s)
+                counts = sorted({s.experts for s in self.stacks})
+                out += ("; " if out else "") + (
+                    "routed experts: " + ", ".join(f"{leaf} x{len(ss)}" for leaf, ss in leaves.items())
+                    + f" ({'/'.join(map(str, counts))} experts each, rank {r} per expert): "
+                    f"{self.expert_params(r) / 1e6:.2f} M LoRA parameters")
+            else:
+                frozen = sum(s.experts * s.in_features * s.out_features for s in self.experts.stacks)
+                out += f"; routed experts NOT adapted ({len(self.experts.stacks)} stacks, {frozen / 1e9:.2f} B weights frozen)"
+            out += "; routers frozen"
+        return out
 
 
 def of_model(model) -> Architecture | None:
@@ -143,7 +176,8 @@ def describe(model) -> Architecture:
     tied = out is not None and emb is not None and getattr(out, "weight", None) is getattr(emb, "weight", None)
     layers = getattr(model.config.get_text_config(), "num_hidden_layers", 0) or 0
     return Architecture(type(model).__name__, model.config.model_type, {k: Linear(k, tuple(v)) for k, v in by_leaf.items()},
-                        total, layers, qk_norm, tied, out_name.rsplit(".", 1)[-1] if out_name else None, params)
+                        total, layers, qk_norm, tied, out_name.rsplit(".", 1)[-1] if out_name else None, params,
+                        moe.fused_experts(model))
 
 
 def decoder_layers(model) -> list:
@@ -154,35 +188,91 @@ def decoder_layers(model) -> list:
 
 
 def resolve_targets(requested: list[str] | str, arch: Architecture) -> Targets:
-    """`lora.target_modules` against the model's linear modules.
+    """`lora.target_modules` against the model's linear modules and its routed expert stacks.
 
-    A name the model has is kept; q_proj/k_proj/v_proj/gate_proj/up_proj on a model that fuses them
-    map to the fused module (qkv_proj, gate_up_proj, c_attn, query_key_value, ...), one note each;
-    anything else is a ConfigError naming the model's own linear modules.
+    all-linear: every linear module but the output layer and the routers, and every expert stack. A name the
+    model has is kept (a linear module, an expert stack such as gate_up_proj / down_proj, or `experts` for all
+    of them); q_proj/k_proj/v_proj/gate_proj/up_proj on a model that fuses them map to the fused module or
+    stack (qkv_proj, gate_up_proj, c_attn, ...), one note each; anything else is a ConfigError naming what the
+    model has.
     """
     from stages.errors import ConfigError
 
+    parts = arch.experts
+    by_leaf: dict[str, list[ExpertStack]] = {}
+    for st in parts.stacks:
+        by_leaf.setdefault(st.leaf, []).append(st)
+    routers = {n.rsplit(".", 1)[-1] for n in parts.router_linears}
     have = list(arch.linears)
     if requested == "all-linear":
-        return Targets(have, [], [arch.linears[n] for n in have])
-    chosen, notes, unknown = [], [], []
+        modules = [n for n in have if n not in routers]  # a router trained by accident reroutes every token
+        return _targets(arch, modules, [], list(parts.stacks))
+    chosen, stacks, notes, unknown = [], [], [], []
     for name in requested:
+        hit = False
         if name in arch.linears:
             chosen.append(name)
+            hit = True
+        if name == "experts":
+            stacks += parts.stacks
+            hit = True
+        elif name in by_leaf:
+            stacks += by_leaf[name]
+            hit = True
+        elif EXPERT_ALIASES.get(name) in by_leaf:
+            fused = EXPERT_ALIASES[name]
+            stacks += by_leaf[fused]
+            notes.append(f"lora.target_modules: {name} is the routed experts' {fused} in {arch.model_class} (fused 3-D "
+                         f"weights): adapting {fused} of every expert")
+            hit = True
+        if hit:
             continue
-        fused = next((f for f, parts in FUSED.items() if name in parts and f in arch.linears), None)
+        fused = next((f for f, fparts in FUSED.items() if name in fparts and f in arch.linears), None)
         if fused is None:
             unknown.append(name)
             continue
         chosen.append(fused)
     for fused in dict.fromkeys(c for c in chosen if c in FUSED and c not in requested):
-        parts = [p for p in FUSED[fused] if p in requested]
+        fparts = [p for p in FUSED[fused] if p in requested]
         others = [p for p in FUSED[fused] if p not in requested]
-        notes.append(f"lora.target_modules: {', '.join(parts)} {'is' if len(parts) == 1 else 'are'} fused into {fused} in "
+        notes.append(f"lora.target_modules: {', '.join(fparts)} {'is' if len(fparts) == 1 else 'are'} fused into {fused} in "
                      f"{arch.model_class}: adapting {fused}" + (f" (its adapter also covers {', '.join(others)})" if others else ""))
     if unknown:
+        expert_names = f" and its routed experts' stacks {sorted(by_leaf)} (or `experts` for all)" if by_leaf else ""
+        router = (f"; {', '.join(sorted(set(unknown) & set(moe.ROUTER_NAMES)))} is the router, a weight LoRA does not adapt here"
+                  if set(unknown) & set(moe.ROUTER_NAMES) and by_leaf else "")
         raise ConfigError(
             f"lora.target_modules {unknown} match no linear module of {arch.model_class}; its linear modules are "
-            f"{have}: set lora.target_modules to some of them (or to all-linear)")
+            f"{have}{expert_names}{router}: set lora.target_modules to some of them (or to all-linear)")
     order = [n for n in have if n in set(chosen)]
-    return Targets(order, notes, [arch.linears[n] for n in order])
+    return _targets(arch, order, notes, list(dict.fromkeys(stacks)))
+
+
+def _targets(arch: Architecture, modules: list[str], notes: list[str], stacks: list[ExpertStack]) -> Targets:
+    return Targets(modules, notes, [arch.linears[n] for n in modules], stacks,
+                   moe.target_parameters([s.name for s in stacks], list(arch.parameters)), arch.experts)
+
+
+def lora_kwargs(lora, targets: Targets, model_class: str = "this model") -> dict:
+    """peft.LoraConfig's keywords: the config's lora section with the resolved targets. peft adapts fused expert
+    weights without dropout (lora.ParamWrapper refuses any): where experts are adapted, the default dropout
+    becomes 0, a dropout the config asks for is a ConfigError."""
+    from stages.errors import ConfigError
+
+    kw = lora.model_dump() | {"target_modules": targets.modules or None, "target_parameters": targets.parameters or None}
+    if targets.stacks and lora.lora_dropout > 0:
+        if "lora_dropout" in lora.model_fields_set:
+            raise ConfigError(
+                f"lora.lora_dropout is {lora.lora_dropout}, but the routed experts of {model_class} are adapted and peft has "
+                "no dropout on fused expert weights (lora.ParamWrapper); set lora.lora_dropout: 0, or leave the experts "
+                "out of lora.target_modules (e.g. [q_proj, k_proj, v_proj, o_proj])")
+        kw["lora_dropout"] = 0.0
+    return kw
+
+
+def dropout_note(lora, kwargs: dict) -> list[str]:
+    """The line that says the dropout lora_kwargs set to 0 (the experts adapted, the dropout the default)."""
+    if kwargs["lora_dropout"] == lora.lora_dropout:
+        return []
+    return [f"lora.lora_dropout: 0, not the default {lora.lora_dropout}: peft has no dropout on the fused expert weights "
+            "of the routed experts"]

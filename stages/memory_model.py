@@ -15,7 +15,7 @@ from stages.architecture import Architecture, Linear, Targets
 from stages.config import RunConfig
 from stages.memory import GIB
 from stages.modelio import compute_dtype
-from stages.train.kernels import resolve_auto
+from stages.train.kernels import fused_loss_for, model_type, resolve_auto
 
 KNOWN_MODEL_TYPES = {"llama", "qwen2", "mistral", "qwen3", "phi3", "olmo2"}  # measured (bench/results/capped/)
 ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -188,13 +188,15 @@ def estimate(cfg: RunConfig, s: Shapes, longest: int, on_gpu: bool, coef: dict |
 
     targets = s.targets(lo.target_modules)
     matrices = [n for m in targets.linears for a, o in m.shapes for n in (lo.r * a, lo.r * o)]  # every lora_A, lora_B
+    matrices += [n for st in targets.stacks for n in (st.experts * lo.r * st.in_features, st.experts * lo.r * st.out_features)]
     lora_params = sum(matrices)
     states = sum(_state_bytes(gpu["optim"], n, on_gpu) for n in matrices)
     adapters = (lora_params * 8 + states) / n  # peft keeps adapters in fp32 (autocast_adapter_dtype): weight 4 + grad 4
     workspace = CUBLAS_WORKSPACE if on_gpu else 0
 
     # a copy + mask of each adapted module's input, one layer's worth
-    dropout = tokens * sum(a for m in targets.linears for a, _ in m.shapes) / layers * (act + 1) if lo.lora_dropout > 0 else 0
+    dropout = tokens * sum(a for m in targets.linears for a, _ in m.shapes) / layers * (act + 1) \
+        if lo.lora_dropout > 0 and not targets.stacks else 0  # peft has no dropout on experts: none anywhere then
     tiled = gpu["tiled_mlp"]
     # normalised queries and keys (Qwen3, OLMo2): the norms' inputs and outputs, query- and key-sized
     qk_norm = k["qk_norm"] * tokens * act * (s.heads * s.head_dim + kv) if s.arch is not None and s.arch.qk_norm else 0.0
@@ -290,6 +292,7 @@ def _state_bytes(optim: str, numel: int, on_gpu: bool, paged: bool = False) -> f
 
 
 def loss_mode(cfg: RunConfig, on_gpu: bool) -> str:
+    """The loss the train stage computes there: `auto` is Liger's chunked one on a GPU where Liger has it for the family."""
     if cfg.training.cross_entropy == "auto":
-        return "chunked" if on_gpu else "plain"
+        return "chunked" if on_gpu and fused_loss_for(model_type(cfg)) else "plain"
     return cfg.training.cross_entropy

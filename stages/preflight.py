@@ -28,7 +28,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from stages import checks, data, memory
+from stages import architecture, checks, data, memory
 from stages.config import ConfigError, RunConfig, load_config
 from stages.errors import UserError
 from stages.memory import GIB, MemoryReport
@@ -125,6 +125,7 @@ def run(cfg: RunConfig, out_dir: Path, gpu_memory_gib: float | None = None, *, t
         model_dir = resolve_model_dir(cfg.model.name_or_path)
         shapes = Shapes.from_config(json.loads((model_dir / "config.json").read_text()), cfg.model.trust_remote_code, str(model_dir))
         targets = shapes.targets(cfg.lora.target_modules)  # names that match no module stop the run here, before any weights load
+        lora_notes = architecture.dropout_note(cfg.lora, architecture.lora_kwargs(cfg.lora, targets, shapes.arch.model_class if shapes.arch else "this model"))
         tokenizer = load_tokenizer(cfg.model)
         # what the run would otherwise hit after training: trackers, disk, export tools, the tokenizer as llama.cpp reads it
         checks.before_training(cfg, out_dir, tokenizer, export=not train_only)
@@ -173,7 +174,7 @@ def run(cfg: RunConfig, out_dir: Path, gpu_memory_gib: float | None = None, *, t
         suggestions = [] if fits else suggest(cfg, shapes, lengths, usable, on_gpu=on_gpu, packed_tokens=plan_tokens)
     result = PreflightResult(fits, device, round(budget, 3), round(usable, 3), est, lengths, suggestions,
                              out_dir / "preflight.md", meter.report, probe=result_probe, notes=shapes.unknown, data_notes=held_notes,
-                             adapted=targets.summary(cfg.lora.r), target_notes=targets.notes, steps=steps)
+                             adapted=targets.summary(cfg.lora.r), target_notes=targets.notes + lora_notes, steps=steps)
     result.report_md.write_text(render(result, cfg))
     (out_dir / "preflight.json").write_text(json.dumps(memory.jsonable(result), indent=2, default=str))
     print(result.report_md.read_text())

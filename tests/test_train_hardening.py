@@ -187,7 +187,30 @@ def test_liger_gets_the_kernels_each_family_has():
         from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
 
         for model_type, apply in MODEL_TYPE_TO_APPLY_LIGER_FN.items():
-            assert "fused_linear_cross_entropy" in kernels.liger_options(apply, loss=True, kernels=True), model_type
+            options = kernels.liger_options(apply, loss=True, kernels=True)
+            assert options["fused_linear_cross_entropy"] == kernels.fused_loss_for(model_type), model_type
+
+
+def test_what_liger_raises_for_is_never_asked_and_the_family_gets_the_plain_loss():
+    """Liger 0.8.5's Granite function raises NotImplementedError for the fused loss (Granite scales its logits), its
+    GLM-4 one for RoPE: read from the function's source, those options go as False (a Granite run on a GPU stopped
+    at that NotImplementedError with the defaults), and the loss of such a family is the plain one."""
+
+    def granite(rope=True, cross_entropy=True, fused_linear_cross_entropy=False, rms_norm=True, swiglu=True, model=None):
+        if swiglu:
+            pass
+        if fused_linear_cross_entropy:
+            raise NotImplementedError("LigerFusedLinearCrossEntropy is not available for Granite models.")
+
+    def glm4(rope=False, cross_entropy=False, fused_linear_cross_entropy=True, rms_norm=True, swiglu=True, model=None):
+        if rope:
+            raise NotImplementedError("liger_rotary_pos_emb is not available for Glm4 models.")
+
+    assert kernels.refused(granite) == {"fused_linear_cross_entropy"} and kernels.refused(glm4) == {"rope"}
+    assert kernels.liger_options(granite, loss=True, kernels=True) == {
+        "fused_linear_cross_entropy": False, "cross_entropy": False, "rope": True, "rms_norm": True, "swiglu": True}
+    assert kernels.liger_options(glm4, loss=True, kernels=True)["rope"] is False
+    granite(**kernels.liger_options(granite, loss=True, kernels=True))   # what use_liger calls: no NotImplementedError
 
 
 def test_fit_choice_is_recorded(tmp_path):

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from peft import PeftModel
 
-from stages import errors, memory
+from stages import errors, memory, moe
 from stages.config import RunConfig, load_config
 from stages.errors import MissingInput
 from stages.export import fidelity
@@ -81,7 +81,8 @@ def run(cfg: RunConfig, adapter_dir: Path, out_dir: Path) -> MergeResult:
         qlora = cfg.quantization.load_in_4bit
         choices = ["16bit"] if not qlora else (["16bit", "dequantized-nf4"] if cfg.merge.base == "auto" else [cfg.merge.base])
         if qlora:
-            trained = PeftModel.from_pretrained(load_base(cfg.model, cfg.quantization), adapter_dir)
+            with moe.peft_targets_as_given():
+                trained = PeftModel.from_pretrained(load_base(cfg.model, cfg.quantization), adapter_dir)
             reference = fidelity.log_probs(trained, sequences)
             del trained
             memory.free_gpu()
@@ -118,7 +119,8 @@ def _merge(cfg: RunConfig, adapter_dir: Path, choice: str, sequences: list[list[
         base = load_base(cfg.model, cfg.quantization, quantized=False)
     else:
         base = load_base(cfg.model, cfg.quantization, quantized=True).dequantize()
-    model = PeftModel.from_pretrained(base, adapter_dir)
+    with moe.peft_targets_as_given():
+        model = PeftModel.from_pretrained(base, adapter_dir)
     model.eval()
     probe = {"input_ids": torch.tensor([sequences[0]], device=model.device)}
     with torch.no_grad():

@@ -6,8 +6,12 @@ has, the preflight estimate the device it estimates for.
 
 from __future__ import annotations
 
+import ast
+import functools
 import importlib.util
 import inspect
+import json
+import textwrap
 
 from stages.config import TILE_FROM_TOKENS, ConfigError, RunConfig
 from stages.modelio import device
@@ -124,16 +128,56 @@ def tile_mlp(model, on: bool = True) -> int:
 
 
 def cross_entropy(cfg: RunConfig) -> str:
-    """plain or chunked: `auto` is chunked (Liger's fused linear cross-entropy) on a GPU."""
+    """plain or chunked: `auto` is chunked (Liger's fused linear cross-entropy) on a GPU, for the families Liger has it for."""
     choice = cfg.training.cross_entropy
+    family = model_type(cfg)
     if choice == "auto":
-        return "chunked" if device().type == "cuda" and _has_liger() else "plain"
+        return "chunked" if device().type == "cuda" and _has_liger() and fused_loss_for(family) else "plain"
     if choice == "chunked" and not (device().type == "cuda" and _has_liger()):
         raise ConfigError(
             "training.cross_entropy: chunked needs a CUDA GPU and liger-kernel (`pip install -e .[gpu]`, Triton-based); "
             "set training.cross_entropy: plain (or auto) on this machine"
         )
+    if choice == "chunked" and not fused_loss_for(family):
+        raise ConfigError(f"training.cross_entropy: chunked: liger-kernel has no fused linear cross-entropy for model_type "
+                          f"{family!r}; set training.cross_entropy: auto (the plain loss for this family) or plain")
     return choice
+
+
+def model_type(cfg: RunConfig) -> str | None:
+    """config.json's model_type of the base model, None where it cannot be read (the model checks say why)."""
+    from stages.modelio import resolve_model_dir
+
+    try:
+        return json.loads((resolve_model_dir(cfg.model.name_or_path) / "config.json").read_text(encoding="utf-8")).get("model_type")
+    except Exception:  # noqa: BLE001 - a model that cannot be read is reported by the model checks, with the fix
+        return None
+
+
+def fused_loss_for(family: str | None) -> bool:
+    """Whether Liger has its fused linear cross-entropy for this model family. Without liger-kernel installed
+    (a CPU machine estimating for a GPU) it is assumed, as for the families it lists."""
+    if not _has_liger():
+        return True
+    from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
+
+    apply = MODEL_TYPE_TO_APPLY_LIGER_FN.get(family)
+    return apply is not None and "fused_linear_cross_entropy" in inspect.signature(apply).parameters \
+        and "fused_linear_cross_entropy" not in refused(apply)
+
+
+@functools.cache
+def refused(apply) -> frozenset[str]:
+    """The options a Liger apply function raises NotImplementedError for (0.8.5: Granite's fused loss, its logits
+    being scaled; GLM-4's and Qwen3.5's RoPE), read from its source: `if <option>: raise NotImplementedError(...)`.
+    Read, not tried: trying patches the family's modules before it raises."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(apply)))
+    except (OSError, TypeError, SyntaxError):
+        return frozenset()
+    return frozenset(node.test.id for node in ast.walk(tree)
+                     if isinstance(node, ast.If) and isinstance(node.test, ast.Name)
+                     and any(isinstance(b, ast.Raise) and "NotImplementedError" in ast.unparse(b) for b in node.body))
 
 
 def _has_liger() -> bool:
@@ -171,6 +215,6 @@ _MODULE_KERNELS = ("rope", "rms_norm", "swiglu", "geglu", "relu_squared")
 
 def liger_options(apply, *, loss: bool, kernels: bool) -> dict:
     """The keyword arguments `apply` (a Liger apply_liger_kernel_to_* function) accepts, for this choice."""
-    accepted = inspect.signature(apply).parameters
+    accepted = set(inspect.signature(apply).parameters) - refused(apply)
     options = {"fused_linear_cross_entropy": loss, "cross_entropy": False} | {k: kernels for k in _MODULE_KERNELS}
-    return {k: v for k, v in options.items() if k in accepted}
+    return {k: v for k, v in options.items() if k in accepted} | {k: False for k in refused(apply)}

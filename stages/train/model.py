@@ -4,12 +4,10 @@ preflight's probe build it here, the same way."""
 
 from __future__ import annotations
 
-import torch
-
-from stages import architecture
+from stages import architecture, moe
 from stages.config import RunConfig
 from stages.modelio import device, load_base
-from stages.train import kernels, sharding
+from stages.train import experts, kernels, sharding
 from stages.train.attention import avoid_cudnn_sdpa, use_packed_attention
 from stages.train.offload import embeddings_to_host
 
@@ -29,7 +27,8 @@ def build_model(cfg: RunConfig, longest: int | None = None):
     model = load_base(cfg.model, cfg.quantization, sharded=sharding.active(cfg))
     if targets is None:  # a model transformers could not build on the meta device: its loaded modules decide
         targets = architecture.resolve_targets(cfg.lora.target_modules, architecture.describe(model))
-    for note in targets.notes:
+    lora = architecture.lora_kwargs(cfg.lora, targets, arch.model_class if arch else "this model")
+    for note in targets.notes + architecture.dropout_note(cfg.lora, lora):
         print(f"train: {note}")
     avoid_cudnn_sdpa()
     if kernels.packing(cfg):
@@ -50,7 +49,10 @@ def build_model(cfg: RunConfig, longest: int | None = None):
     # The adapter's random init draws from the global RNG: seed it here, not only in the
     # Trainer (created later), or two runs of one config start from different adapters.
     set_seed(cfg.training.seed)
-    model = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", **(cfg.lora.model_dump() | {"target_modules": targets.modules})))
+    with moe.peft_targets_as_given():
+        model = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", **lora))
+    if targets.stacks and experts.use_grouped_lora(model):
+        print("train: LoRA on the routed experts computed on the tokens routed to each expert (grouped matmuls)")
     check_only_lora_trains(model)
     check_adapted(model, targets, cfg.lora.r)
     keep_adapter_inputs_16bit(model)

@@ -1,0 +1,128 @@
+"""LoRA on fused MoE experts computed on the routed tokens only (see stages/moe.py for where the experts are).
+
+A grouped LoRA over routed tokens (`grouped_lora_forward`) computes, per expert e and only on the tokens
+routed to it, x_e @ W_e^T + scaling * (x_e @ A_e^T) @ B_e^T with three grouped matmuls over the tokens sorted
+by expert (torch.nn.functional.grouped_mm, torch >= 2.10; torch._grouped_mm before), never forming W + delta:
+the work added is S * r * (in + out) for S routed token slots, and what backward keeps is the [S, r]
+intermediate beside the inputs the base matmul keeps anyway. Wiring it in means an expert module whose forward
+calls it with the adapter's factors instead of peft's parametrization; merge, save and load can stay peft's,
+since the factors are the same tensors. torch 2.13 (CPU) has torch.nn.functional.grouped_mm(mat_a, mat_b, *, offs,
+bias, out_dtype) over torch._grouped_mm: 2-D x 3-D computes mat_a[rows of g] @ mat_b[g], offs int32 cumulative
+ends, fp32/bf16 with 16-byte-aligned strides, differentiable in both operands; `_gmm` loops per expert where a
+shape is not aligned (rank 2 in fp32, rank 4 in bf16).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+# --- grouped LoRA over routed tokens (prototype) ---------------------------------------------------------
+
+Factors = tuple[torch.Tensor, torch.Tensor, float]   # A [E, r, in], B [E, out, r], scaling
+
+
+def peft_factors(wrapper: nn.Module, adapter: str = "default") -> Factors:
+    """One ParamWrapper's adapter as per-expert factors: delta W_e (out x in) = scaling * B[e] @ A[e].
+    Views and copies of lora_A / lora_B, so gradients reach peft's own parameters."""
+    experts = wrapper.num_experts
+    a = wrapper.lora_A[adapter].weight                     # [E*r, in], expert-major rows
+    b = wrapper.lora_B[adapter].weight                     # [out, r*E], rank-major columns
+    r = a.shape[0] // experts
+    a = a.view(experts, r, a.shape[1])
+    b = b.view(b.shape[0], r, experts).permute(2, 0, 1).contiguous()
+    return a, b, wrapper.scaling[adapter]
+
+
+def unwrap(module: nn.Module, adapter: str = "default") -> tuple[nn.Module, dict[str, Factors]]:
+    """peft's nested ParamWrappers around one experts module: the module itself and its factors by parameter name."""
+    factors: dict[str, Factors] = {}
+    while hasattr(module, "parameter_name") and hasattr(module, "lora_A"):   # a ParamWrapper, peft not imported
+        factors[module.parameter_name] = peft_factors(module, adapter)
+        module = module.base_layer
+    return module, factors
+
+
+def _aligned(x: torch.Tensor, w: torch.Tensor) -> bool:
+    # grouped_mm wants 16-byte aligned pointers and rows, in the forward and in the gradients backward makes
+    # ([S, n], [G, k, n]): torch 2.13 on CPU refuses rank 2 in fp32 or rank 4 in bf16 in one or the other
+    rows = (x.shape[-1], w.shape[-2], w.shape[-1])
+    return all(t.data_ptr() % 16 == 0 for t in (x, w)) and all(n * x.element_size() % 16 == 0 for n in rows)
+
+
+def _gmm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """x [S, k] sorted by group, w [G, k, n], offs the groups' cumulative ends: row block g of x times w[g]."""
+    grouped = getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+    if grouped is not None and _aligned(x, w):
+        return grouped(x, w, offs=offs)
+    ends = offs.tolist()
+    starts = [0] + ends[:-1]
+    return torch.cat([x[s:e] @ w[g] for g, (s, e) in enumerate(zip(starts, ends, strict=True)) if e > s]
+                     or [x.new_zeros(0, w.shape[-1])])
+
+
+def _project(experts: nn.Module, name: str, x: torch.Tensor, offs: torch.Tensor, groups: torch.Tensor,
+             factors: dict[str, Factors]) -> torch.Tensor:
+    w = getattr(experts, name)
+    y = _gmm(x, w if experts.is_transposed else w.transpose(-2, -1), offs)
+    if name in factors:
+        a, b, scaling = factors[name]
+        a, b = a.to(x.dtype), b.to(x.dtype)   # peft keeps adapters in fp32 over a bf16 model; grouped_mm takes one dtype
+        # only the S routed rows meet the adapter: S x r x (in + out), no [E, out, in] tensor
+        y = y + scaling * _gmm(_gmm(x, a.transpose(-2, -1), offs), b.transpose(-2, -1), offs)
+    if experts.has_bias:
+        y = y + getattr(experts, f"{name}_bias")[groups]
+    return y
+
+
+def grouped_lora_forward(experts: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                         top_k_weights: torch.Tensor, factors: dict[str, Factors]) -> torch.Tensor:
+    """A transformers experts module's forward (grouped_mm path, no expert parallelism) with LoRA `factors`
+    by parameter name added on the routed tokens only. `experts` is the unwrapped module."""
+    top_k = top_k_index.shape[-1]
+    groups, order = torch.sort(top_k_index.reshape(-1))
+    x = hidden_states[order // top_k]
+    offs = torch.bincount(groups, minlength=experts.num_experts).cumsum(0).to(torch.int32)
+    up = "gate_up_proj" if experts.has_gate else "up_proj"
+    h = _project(experts, up, x, offs, groups, factors)
+    h = experts._apply_gate(h) if experts.has_gate else experts.act_fn(h)
+    y = _project(experts, "down_proj", h, offs, groups, factors)
+    y = y * top_k_weights.reshape(-1)[order].unsqueeze(-1).to(y.dtype)
+    out = torch.empty_like(y).index_copy_(0, order, y)   # back to token-major order
+    return out.view(-1, top_k, y.shape[-1]).sum(dim=1).to(hidden_states.dtype)
+
+
+def _computable(experts: nn.Module) -> bool:
+    """An experts module of transformers' own kind (use_experts_implementation): its layout flags and gate are
+    what grouped_lora_forward reads."""
+    return all(hasattr(experts, a) for a in ("num_experts", "has_gate", "has_bias", "is_transposed", "act_fn")) \
+        and (not experts.has_gate or hasattr(experts, "_apply_gate"))
+
+
+def _grouped_forward(wrapper: nn.Module, hidden_states, top_k_index, top_k_weights, *args, **kwargs):
+    # peft's own path wherever it differs from one active, unmerged adapter: disabled (the base's outputs), merged
+    if wrapper.disable_adapters or wrapper.merged or len(wrapper.active_adapters) != 1 or args or kwargs:
+        return type(wrapper).forward(wrapper, hidden_states, top_k_index, top_k_weights, *args, **kwargs)
+    inner, factors = unwrap(wrapper, wrapper.active_adapters[0])
+    return grouped_lora_forward(inner, hidden_states, top_k_index, top_k_weights, factors)
+
+
+def use_grouped_lora(model: nn.Module, on: bool = True) -> int:
+    """Every peft-adapted experts module computes its LoRA on the tokens routed to each expert (grouped_lora_forward)
+    instead of through peft's W + delta over the whole stack (`on`), or through peft's again; returns how many
+    modules changed. The adapter's parameters, and so saving, loading and merging, stay peft's."""
+    from peft.tuners.lora.layer import ParamWrapper
+
+    n = 0
+    for parent in model.modules():
+        if isinstance(parent, ParamWrapper):
+            continue
+        for child in parent.children():
+            if not (isinstance(child, ParamWrapper) and _computable(unwrap(child)[0])):
+                continue
+            if on:
+                child.forward = _grouped_forward.__get__(child)
+            else:
+                child.__dict__.pop("forward", None)
+            n += 1
+    return n
