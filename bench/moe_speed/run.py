@@ -114,7 +114,8 @@ def run_shape(name: str, shape: dict, args) -> dict:
 
     model = build(shape)
     row = {"shape": name, "params_b": round(sum(p.numel() for p in model.parameters()) / 1e9, 3)}
-    row["active_params_b"] = round(active_params(model, shape) / 1e9, 3)
+    active = active_params(model, shape)
+    row["active_params_b"] = round(active / 1e9, 3)
     targets = architecture.resolve_targets("all-linear", architecture.describe(model))
     row["adapted"] = targets.summary(args.r)
     model.config.use_cache = False
@@ -147,7 +148,7 @@ def run_shape(name: str, shape: dict, args) -> dict:
         row["reserved_ratio"] = round(b["peak_reserved_gib"] / a["peak_reserved_gib"], 3)
         row["above_weights_ratio"] = round((b["peak_reserved_gib"] - weights) / (a["peak_reserved_gib"] - weights), 3)
         for v in (a, b):  # model FLOPs (6 x active parameters per token) per second over the card's bf16 peak
-            v["mfu_active"] = round(6 * active_params(model.get_base_model(), shape) * v["tokens_per_s"] / H200_BF16_FLOPS, 4)
+            v["mfu_active"] = round(6 * active * v["tokens_per_s"] / H200_BF16_FLOPS, 4)
     del model, params, batches
     gc.collect()
     torch.cuda.empty_cache()

@@ -191,6 +191,11 @@ def space_fix(hf_pieces: list[str], gguf_pieces: list[str], tokenizer=None, mode
     sentencepiece = not any(p.startswith("Ġ") for p in hf_pieces)  # a byte-level BPE marks spaces with Ġ, and has no `legacy`
     hf_space = bool(hf_pieces) and hf_pieces[0].startswith("▁")
     gguf_space = bool(gguf_pieces) and gguf_pieces[0].startswith(("▁", " "))
+    if tokenizer is not None and not hasattr(tokenizer, "legacy") and sentencepiece and hf_space != gguf_space:
+        # transformers built this tokenizer from tokenizer.model with a generic class (e.g. TokenizersBackend for
+        # model_type mistral / phi3 without a tokenizer.json): it never reads `legacy`, so that switch is no fix
+        return (f"{type(tokenizer).__name__}, the class transformers picks for this model_type, does not read \"legacy\": "
+                f"give {model_dir or 'the model directory'} the tokenizer.json the model was released with, beside tokenizer.model")
     legacy = getattr(tokenizer, "legacy", None)
     if sentencepiece and gguf_space and not hf_space and legacy is not True:
         return f"llama.cpp puts a word-start space after special tokens and the HF tokenizer does not: set \"legacy\": true in {config}"

@@ -1,0 +1,127 @@
+"""One tiny random-init model of every decoder family that transformers 5.17 and llama.cpp's converter share,
+through preflight -> train -> merge -> GGUF -> llama.cpp smoke on CPU, with the project's defaults (Liger where it
+has the family's kernels, the plain loss elsewhere; all-linear, routed experts included). Each family gets the
+tokenizer files its releases ship: SentencePiece (the default's tiny-llama) or byte-level BPE (tiny-chatml), a
+tokenizer.json beside tokenizer.model where transformers picks a generic class for the model_type, Phi-3's own
+special tokens. Where the files are not what the family's releases ship, the preflight refuses, naming the fix."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from stages import preflight
+from stages.config import load_config
+from stages.export import merge, smoke
+from stages.export import stage as export_stage
+from stages.export.vocab import TokenizerMismatch
+from stages.train import stage as train_stage
+from tests.conftest import REPO, write_config
+
+SHAPE = dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+             max_position_embeddings=1024, tie_word_embeddings=False)
+MOE = dict(num_experts_per_tok=2)
+# family -> (tokenizer asset, what the family's config needs beyond SHAPE)
+FAMILIES = {
+    "llama": ("tiny-llama", dict(intermediate_size=512)),
+    "mistral": ("tiny-llama", dict(intermediate_size=512)),
+    "mixtral": ("tiny-llama", dict(intermediate_size=256, num_local_experts=4, **MOE)),
+    "phi3": ("tiny-llama", dict(intermediate_size=512)),
+    "gemma2": ("tiny-llama", dict(intermediate_size=768)),
+    "gemma3_text": ("tiny-llama", dict(intermediate_size=512)),
+    "qwen2": ("tiny-chatml", dict(intermediate_size=512)),
+    "qwen3": ("tiny-chatml", dict(intermediate_size=512)),
+    "qwen3_moe": ("tiny-chatml", dict(intermediate_size=512, moe_intermediate_size=128, num_experts=4, **MOE)),
+    "granite": ("tiny-chatml", dict(intermediate_size=512)),
+    "granitemoe": ("tiny-chatml", dict(intermediate_size=256, num_local_experts=4, **MOE)),
+    "olmo2": ("tiny-chatml", dict(intermediate_size=512)),
+    # llama.cpp's OLMoE applies k_norm over all heads' width: its releases have as many KV heads as query heads
+    "olmoe": ("tiny-chatml", dict(intermediate_size=256, num_experts=4, num_key_value_heads=4, **MOE)),
+    "smollm3": ("tiny-chatml", dict(intermediate_size=512)),
+}
+MOE_FAMILIES = {f for f, (_, extra) in FAMILIES.items() if "num_experts_per_tok" in extra}
+WITH_TOKENIZER_JSON = {"mistral", "mixtral", "phi3"}   # transformers reads these model_types with a generic class
+PHI3_TOKENS = ["<|endoftext|>", "<|assistant|>", "<|end|>", "<|user|>", "<|system|>"]   # llama.cpp's Phi-3 loader looks these up
+
+
+def tiny_model(family: str, out: Path, *, released_tokenizer: bool = True) -> tuple[Path, str]:
+    """A random-init `family` model in `out` with a tokenizer as the family's releases ship it (or, with
+    released_tokenizer=False, only the asset's files)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    asset, extra = FAMILIES[family]
+    src = REPO / "assets" / asset
+    out.mkdir(parents=True)
+    for f in src.iterdir():
+        if f.name.startswith("tokenizer") or f.name == "chat_template.jinja":
+            shutil.copy(f, out / f.name)
+    vocab = json.loads((src / "config.json").read_text())["vocab_size"]
+    if released_tokenizer and family in WITH_TOKENIZER_JSON:
+        tok = AutoTokenizer.from_pretrained(src)
+        if family == "phi3":
+            tok.add_special_tokens({"additional_special_tokens": PHI3_TOKENS})
+        tok.save_pretrained(out)   # tokenizer.json beside the copied tokenizer.model
+        vocab = len(tok)
+    if family.startswith("gemma"):   # Gemma's GGUF has no word-start space after special tokens, nor has its tokenizer
+        tc = json.loads((out / "tokenizer_config.json").read_text())
+        (out / "tokenizer_config.json").write_text(json.dumps(tc | {"legacy": False}))
+    ids = json.loads((src / "config.json").read_text())
+    special = {k: ids[k] for k in ("bos_token_id", "eos_token_id") if ids.get(k) is not None}
+    shape = SHAPE | {k: v for k, v in extra.items() if k in SHAPE}
+    config = AutoConfig.for_model(family, **shape, **{k: v for k, v in extra.items() if k not in SHAPE},
+                                  vocab_size=vocab, pad_token_id=ids.get("pad_token_id") or 0, **special)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(out)
+    return out, asset
+
+
+def _config(tmp_path: Path, model_dir: Path, asset: str):
+    base = REPO / "configs" / ("chatml.yaml" if asset == "tiny-chatml" else "default.yaml")
+    # random weights: the export's fidelity and the smoke's accuracy have nothing to hold; that they run is the point
+    loose = {"f16": 1.0, "Q4_K_M": 1.0, "Q5_K_S": 1.0}
+    return load_config(write_config(
+        tmp_path, base=base, model={"name_or_path": str(model_dir)},
+        training={"max_steps": 4, "save_steps": 4, "eval_steps": 4},
+        export={"imatrix": "off", "fidelity": {"samples": 4, "max_mean_kl": loose, "min_top1": dict.fromkeys(loose, 0.0)}},
+        smoke={"min_accuracy": 0.0, "max_prompts": 3, "max_tokens": 8, "serve": False}))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_family_trains_merges_exports_and_runs_under_llama_cpp(family, tmp_path):
+    model_dir, asset = tiny_model(family, tmp_path / "model")
+    cfg = _config(tmp_path, model_dir, asset)
+
+    pre = preflight.run(cfg, tmp_path / "preflight")
+    assert ("routed experts" in pre.adapted) == (family in MOE_FAMILIES), pre.adapted
+
+    trained = train_stage.run(cfg, tmp_path / "train")
+    assert trained.steps == 4 and trained.final_loss == trained.final_loss   # finite, not NaN
+    lora = load_file(trained.adapter_dir / "adapter_model.safetensors")
+    assert any(k.endswith("lora_B.weight") and v.abs().sum() > 0 for k, v in lora.items()), "the adapter did not train"
+    if family in MOE_FAMILIES:   # the experts' adapter is saved and trained, not only attention's
+        experts = [v for k, v in lora.items() if ".experts." in k and "lora_B" in k]
+        assert experts and all(v.abs().sum() > 0 for v in experts), sorted(lora)[:8]
+
+    merged = merge.run(cfg, trained.adapter_dir, tmp_path / "merge")
+    exported = export_stage.run(cfg, merged.merged_dir, tmp_path / "export")
+    assert [f.quant for f in exported.files] == cfg.export.quant_types
+    smoked = smoke.run(cfg, [(f.quant, f.path) for f in exported.files], tmp_path / "smoke")
+    assert [f.quant for f in smoked.files] == cfg.export.quant_types
+    assert all(f.n_prompts == 3 and f.load_s > 0 for f in smoked.files)
+
+
+@pytest.mark.parametrize("family", ["mistral", "phi3"])
+def test_a_family_without_the_tokenizer_its_releases_ship_is_refused_at_preflight_with_the_fix(family, tmp_path):
+    """The SentencePiece model alone: transformers reads it for these model_types with a generic class that does
+    not read `legacy` (so that switch, which the message used to advise, is no fix)."""
+    model_dir, asset = tiny_model(family, tmp_path / "model", released_tokenizer=False)
+    cfg = _config(tmp_path, model_dir, asset)
+    with pytest.raises(TokenizerMismatch, match=r"tokenizes differently .* TokenizersBackend, the class transformers picks for "
+                       r"this model_type, does not read \"legacy\": give .*model the tokenizer.json the model was released with"):
+        preflight.run(cfg, tmp_path / "preflight")
+    assert not (tmp_path / "train").exists()
