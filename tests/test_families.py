@@ -83,11 +83,12 @@ def tiny_model(family: str, out: Path, *, released_tokenizer: bool = True) -> tu
 def _config(tmp_path: Path, model_dir: Path, asset: str):
     base = REPO / "configs" / ("chatml.yaml" if asset == "tiny-chatml" else "default.yaml")
     # random weights: the export's fidelity and the smoke's accuracy have nothing to hold; that they run is the point
-    loose = {"f16": 1.0, "Q4_K_M": 1.0, "Q5_K_S": 1.0}
+    # one K-quant per family keeps 14 families inside CI's time; both are the default's, tested elsewhere
+    loose = {"f16": 1.0, "Q4_K_M": 1.0}
     return load_config(write_config(
         tmp_path, base=base, model={"name_or_path": str(model_dir)},
         training={"max_steps": 4, "save_steps": 4, "eval_steps": 4},
-        export={"imatrix": "off", "fidelity": {"samples": 4, "max_mean_kl": loose, "min_top1": dict.fromkeys(loose, 0.0)}},
+        export={"imatrix": "off", "quant_types": ["Q4_K_M"], "fidelity": {"samples": 4, "max_mean_kl": loose, "min_top1": dict.fromkeys(loose, 0.0)}},
         smoke={"min_accuracy": 0.0, "max_prompts": 3, "max_tokens": 8, "serve": False}))
 
 

@@ -7,7 +7,7 @@ alpha 32, no dropout: peft has none on experts), same 2 x 2048 random tokens per
 checkpointing, torch AdamW; peak reserved measured from a fresh peak and an emptied cache for each variant.
 Before timing, one batch's loss and LoRA gradients are compared between the two.
 
-    python bench/moe_speed/run.py --out $OUT/moe_speed.json [--shapes qwen3-30b-a3b olmoe-1b-7b]
+    python bench/moe_speed/run.py --out $OUT/moe_speed.json [--shapes qwen3-30b-a3b olmoe-1b-7b] [--attention-only]
 """
 
 from __future__ import annotations
@@ -149,7 +149,23 @@ def run_shape(name: str, shape: dict, args) -> dict:
         row["above_weights_ratio"] = round((b["peak_reserved_gib"] - weights) / (a["peak_reserved_gib"] - weights), 3)
         for v in (a, b):  # model FLOPs (6 x active parameters per token) per second over the card's bf16 peak
             v["mfu_active"] = round(6 * active * v["tokens_per_s"] / H200_BF16_FLOPS, 4)
-    del model, params, batches
+    del model, params
+    gc.collect()
+    torch.cuda.empty_cache()
+    if args.attention_only:  # the ceiling for any change to the experts' LoRA: the experts not adapted at all
+        model = build(shape)
+        model.config.use_cache = False
+        model.train()
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.enable_input_require_grads()
+        model = get_peft_model(model, LoraConfig(r=args.r, lora_alpha=2 * args.r, lora_dropout=0.0, task_type="CAUSAL_LM",
+                                                 target_modules=ATTENTION))
+        params = [p for p in model.parameters() if p.requires_grad]
+        row["attention_only"] = timed(model, params, batches, args.warmup, args.steps)
+        row["attention_only"]["mfu_active"] = round(6 * active * row["attention_only"]["tokens_per_s"] / H200_BF16_FLOPS, 4)
+        print(name, "attention_only", row["attention_only"], flush=True)
+        del model, params
+    del batches
     gc.collect()
     torch.cuda.empty_cache()
     return row
@@ -164,6 +180,7 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--attention-only", action="store_true", help="also time attention-only LoRA (experts frozen)")
     args = ap.parse_args()
     import peft
     import transformers
