@@ -180,7 +180,8 @@ def _manifest(cfg, version, gguf_files, sums, adapter_dir, data_fingerprint, smo
         "version": version,
         "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "base_model": {"name_or_path": cfg.model.name_or_path, "sha256": sha256_dir(base_dir)},
-        "adapter": {"sha256": sha256_dir(adapter_dir), "method": "qlora" if cfg.quantization.load_in_4bit else "lora"},
+        "adapter": {"sha256": sha256_dir(adapter_dir), "method": "qlora" if cfg.quantization.load_in_4bit else "lora"}
+        | _adapted(adapter_dir),
         "data_fingerprint": data_fingerprint,
         "files": [
             {"file": Path(p).name, "quant": q, "sha256": sums[Path(p).name], "bytes": Path(p).stat().st_size} | _fallbacks(q, p)
@@ -191,6 +192,18 @@ def _manifest(cfg, version, gguf_files, sums, adapter_dir, data_fingerprint, smo
         "versions": _versions(),
         "config": json.loads(cfg.model_dump_json()),
     } | extra
+
+
+def _adapted(adapter_dir: Path) -> dict:
+    """What the adapter trained, as peft saved it: its rank, the modules, and the fused expert stacks (one rank-r
+    pair per expert) that the serving team's card names."""
+    path = Path(adapter_dir) / "adapter_config.json"
+    if not path.is_file():   # an adapter handed in from elsewhere: its hash is all the manifest can say
+        return {}
+    saved = json.loads(path.read_text())
+    return {"r": saved.get("r"), "lora_alpha": saved.get("lora_alpha"),
+            "target_modules": sorted(saved.get("target_modules") or []),
+            "target_parameters": sorted(saved.get("target_parameters") or [])}
 
 
 def _fallbacks(quant: str, gguf: Path) -> dict:

@@ -131,3 +131,13 @@ def test_the_train_stage_trains_the_experts_and_merge_adds_exactly_their_delta(m
         delta = torch.stack([scaling * b[:, i::e] @ a[i * 4:(i + 1) * 4] for i in range(e)])
         assert torch.allclose(w1 - w0, delta.to(w0.dtype), atol=2e-3 * delta.abs().max().item()), name
     assert json.loads((tmp_path / "merge" / "merge_result.json").read_text())["max_abs_logit_diff"] < 1e-2
+
+
+def test_the_model_card_names_the_experts_rank():
+    from stages.export import modelcard
+
+    line = modelcard._adapted({"r": 16, "lora_alpha": 32, "target_modules": ["k_proj", "q_proj"],
+                               "target_parameters": ["mlp.experts.down_proj", "mlp.experts.gate_up_proj"]})
+    assert line == ["LoRA r 16 (alpha 32) on k_proj, q_proj; routed experts: mlp.experts.down_proj, mlp.experts.gate_up_proj, "
+                    "rank 16 per expert, merged into every expert."]
+    assert modelcard._adapted({"sha256": "x", "method": "lora"}) == []   # a manifest from before the field

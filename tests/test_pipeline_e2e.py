@@ -104,3 +104,7 @@ def test_bundle_checksums_verify_and_manifest_is_complete(e2e):
     # export.imatrix: auto (the default): both files measured per type, the kept one named in the manifest and the card
     assert m["imatrix"]["file"] == "imatrix.gguf" and set(m["imatrix"]["choices"]) == {"Q4_K_M", "Q5_K_S"}
     assert "## Importance matrix" in (bundle / "README.md").read_text()
+    # what the adapter trained, as peft saved it, in the manifest and in the card (dense: no expert stacks)
+    adapter = m["adapter"]
+    assert adapter["r"] == m["config"]["lora"]["r"] and "q_proj" in adapter["target_modules"] and adapter["target_parameters"] == []
+    assert f"LoRA r {adapter['r']} (alpha {adapter['lora_alpha']}) on " in (bundle / "README.md").read_text()

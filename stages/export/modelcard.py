@@ -175,6 +175,17 @@ def _merged_into(merge: dict) -> str:
     return f"merged into the base's original {dtype} weights" if dtype else "merged into the base's original weights"
 
 
+def _adapted(adapter: dict) -> list[str]:
+    """One line on what the adapter trained (manifests written before it was recorded have none)."""
+    if not adapter.get("target_modules") and not adapter.get("target_parameters"):
+        return []
+    line = f"LoRA r {adapter['r']} (alpha {adapter['lora_alpha']}) on {', '.join(adapter['target_modules']) or 'no linear module'}"
+    if adapter.get("target_parameters"):
+        line += (f"; routed experts: {', '.join(adapter['target_parameters'])}, rank {adapter['r']} per expert, "
+                 "merged into every expert")
+    return [line + "."]
+
+
 def readme(manifest: dict, modelfile_template: TurnTemplate | None) -> str:
     """The model card: what this is, how it was made and checked, how to run it."""
     files = manifest["files"]
@@ -200,6 +211,7 @@ def readme(manifest: dict, modelfile_template: TurnTemplate | None) -> str:
         "",
         f"A {'QLoRA' if manifest['adapter']['method'] == 'qlora' else 'LoRA'} fine-tune of `{base['name_or_path']}` (weights sha256 `{base['sha256'][:16]}…`), "
         f"{_merged_into(manifest.get('merge') or {})} and exported to GGUF by train-and-export.",
+        *_adapted(manifest["adapter"]),
         f"Data fingerprint `{manifest['data_fingerprint'][:16]}…`; llama.cpp (llama-cpp-python) {manifest['versions'].get('llama_cpp_python')}; "
         f"Prefect flow run `{manifest.get('prefect_flow_run_id')}`.",
         "",
