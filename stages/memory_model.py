@@ -188,7 +188,7 @@ def estimate(cfg: RunConfig, s: Shapes, longest: int, on_gpu: bool, coef: dict |
 
     targets = s.targets(lo.target_modules)
     matrices = [n for m in targets.linears for a, o in m.shapes for n in (lo.r * a, lo.r * o)]  # every lora_A, lora_B
-    matrices += [n for st in targets.stacks for n in (st.experts * lo.r * st.in_features, st.experts * lo.r * st.out_features)]
+    matrices += [n for st in targets.stacks for n in st.lora_matrices(lo.r)]
     lora_params = sum(matrices)
     states = sum(_state_bytes(gpu["optim"], n, on_gpu) for n in matrices)
     adapters = (lora_params * 8 + states) / n  # peft keeps adapters in fp32 (autocast_adapter_dtype): weight 4 + grad 4

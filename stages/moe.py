@@ -65,8 +65,12 @@ class ExpertStack:
     def leaf(self) -> str:
         return self.name.rpartition(".")[2]
 
+    def lora_matrices(self, r: int) -> tuple[int, int]:
+        """The sizes of its lora_A and lora_B: one rank-r pair per expert."""
+        return self.experts * r * self.in_features, self.experts * r * self.out_features
+
     def lora_params(self, r: int) -> int:
-        return self.experts * r * (self.in_features + self.out_features)
+        return sum(self.lora_matrices(r))
 
 
 @dataclass

@@ -4,20 +4,18 @@ A grouped LoRA over routed tokens (`grouped_lora_forward`) computes, per expert 
 routed to it, x_e @ W_e^T + scaling * (x_e @ A_e^T) @ B_e^T with three grouped matmuls over the tokens sorted
 by expert (torch.nn.functional.grouped_mm, torch >= 2.10; torch._grouped_mm before), never forming W + delta:
 the work added is S * r * (in + out) for S routed token slots, and what backward keeps is the [S, r]
-intermediate beside the inputs the base matmul keeps anyway. Wiring it in means an expert module whose forward
-calls it with the adapter's factors instead of peft's parametrization; merge, save and load can stay peft's,
-since the factors are the same tensors. torch 2.13 (CPU) has torch.nn.functional.grouped_mm(mat_a, mat_b, *, offs,
-bias, out_dtype) over torch._grouped_mm: 2-D x 3-D computes mat_a[rows of g] @ mat_b[g], offs int32 cumulative
-ends, fp32/bf16 with 16-byte-aligned strides, differentiable in both operands; `_gmm` loops per expert where a
-shape is not aligned (rank 2 in fp32, rank 4 in bf16).
+intermediate beside the inputs the base matmul keeps anyway. `use_grouped_lora` points each peft ParamWrapper's
+forward at it with the adapter's own factors, so peft's parameters, save, load and merge are unchanged.
+torch 2.13 (CPU) has torch.nn.functional.grouped_mm(mat_a, mat_b, *, offs, bias, out_dtype) over
+torch._grouped_mm: 2-D x 3-D computes mat_a[rows of g] @ mat_b[g], offs int32 cumulative ends, fp32/bf16 with
+16-byte-aligned strides, differentiable in both operands; `_gmm` loops per expert where a shape is not aligned
+(rank 2 in fp32, rank 4 in bf16).
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
-
-# --- grouped LoRA over routed tokens (prototype) ---------------------------------------------------------
 
 Factors = tuple[torch.Tensor, torch.Tensor, float]   # A [E, r, in], B [E, out, r], scaling
 
