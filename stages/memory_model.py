@@ -43,6 +43,9 @@ COEF = dict(
     slack_nf4_gib=0.05,   # allocator: more with NF4 weights
     logits=14.07,       # bytes per logit element, plain cross-entropy (bf16 logits, fp32 upcast, fp32 grad; earlier grid)
     frag_logits=0.005,  # reserved - allocated, per plain-CE logit element (earlier grid)
+    routed_i=12.0,      # x S*I_e*act, S = tokens x top-k routed slots: one MoE layer's expert tensors and grads in recompute +
+    routed_h=11.0,      # x S*H*act  backward (gathered inputs, gate/up, products, outputs; counted from autograd's saved
+                        # tensors on CPU, tiny Qwen3-MoE; not fitted on a GPU grid)
 )
 
 
@@ -59,6 +62,7 @@ class Shapes:
     head_dim: int
     tied: bool
     experts: int = 1
+    top_k: int = 1                    # experts each token is routed to
     unknown: list[str] = field(default_factory=list)
     arch: Architecture | None = None  # the model built on the meta device: its real modules, where transformers can build it
 
@@ -84,7 +88,8 @@ class Shapes:
             layers=get("num_hidden_layers", "n_layer", "num_layers"), heads=heads,
             kv_heads=cfg.get("num_key_value_heads") or heads, head_dim=cfg.get("head_dim") or (hidden // heads if heads else 0),
             tied=bool(cfg.get("tie_word_embeddings", False)),
-            experts=int(cfg.get("num_local_experts") or cfg.get("num_experts") or 1), unknown=unknown, arch=arch,
+            experts=int(cfg.get("num_local_experts") or cfg.get("num_experts") or 1),
+            top_k=int(cfg.get("num_experts_per_tok") or cfg.get("moe_topk") or cfg.get("top_k") or 1), unknown=unknown, arch=arch,
         )
         name = (cfg.get("architectures") or ["?"])[0]
         if arch is None:
@@ -97,7 +102,7 @@ class Shapes:
                 f"({', '.join(sorted(KNOWN_MODEL_TYPES))}): weights are counted from its modules, activations assume a "
                 "Llama-style decoder; trust the GPU probe over the estimate"
             )
-        if shapes.experts > 1:
+        if shapes.experts > 1 and not shapes.stacks():
             shapes.unknown.append(f"{shapes.experts} experts: every expert's MLP weights are counted, activations as if dense")
         return shapes
 
@@ -111,6 +116,10 @@ class Shapes:
                      "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
         mlp = {"gate_proj", "up_proj", "down_proj"}
         return {m: Linear(m, (io,) * self.layers * (self.experts if m in mlp else 1)) for m, io in per_layer.items()}
+
+    def stacks(self) -> list:
+        """The routed experts' fused stacks (stages.moe.ExpertStack) of the model built on the meta device."""
+        return self.arch.experts.stacks if self.arch is not None else []
 
     def targets(self, requested: list[str] | str) -> Targets:
         """lora.target_modules resolved against the model (fused projections mapped; unknown names refused)."""
@@ -179,12 +188,17 @@ def estimate(cfg: RunConfig, s: Shapes, longest: int, on_gpu: bool, coef: dict |
     linear_params = sum(m.numel for m in lin.values())
     table = s.vocab * s.hidden
     host_embeddings = gpu["offload_embeddings"] and not s.tied  # a table tied to lm_head stays on the GPU
-    other_params = (0 if host_embeddings else table) + (0 if s.tied else table) + s.other_params()
+    stacks = s.stacks()
+    stack_params = sum(st.experts * st.in_features * st.out_features for st in stacks)
+    other_params = (0 if host_embeddings else table) + (0 if s.tied else table) + s.other_params() - stack_params
     n = t.shards  # distributed: fsdp shards what follows over n processes; 1 otherwise
     # NF4 with FSDP: the packed 4-bit data is sharded, its quantisation constants (absmax) stay whole on every process
     nf4_local = 0.5 / n + NF4_BYTES[q.bnb_4bit_use_double_quant] - 0.5
     linear_bytes = linear_params * (nf4_local if q.load_in_4bit else act / n)
-    weights = linear_bytes + other_params * act / n
+    # QLoRA stores the routed experts in NF4 too (stages.expert_nf4), except sharded: FSDP keeps them 16-bit
+    nf4_stacks = q.load_in_4bit and t.distributed != "fsdp"
+    weights = linear_bytes + stack_params * (NF4_BYTES[q.bnb_4bit_use_double_quant] if nf4_stacks else act / n) \
+        + other_params * act / n
 
     targets = s.targets(lo.target_modules)
     matrices = [n for m in targets.linears for a, o in m.shapes for n in (lo.r * a, lo.r * o)]  # every lora_A, lora_B
@@ -202,6 +216,10 @@ def estimate(cfg: RunConfig, s: Shapes, longest: int, on_gpu: bool, coef: dict |
     qk_norm = k["qk_norm"] * tokens * act * (s.heads * s.head_dim + kv) if s.arch is not None and s.arch.qk_norm else 0.0
     # a fused gate_up_proj (Phi-3) makes one tokens x 2I output and its grad, split into strided halves the kernel copies
     qk_norm += k["fused_mlp"] * tokens * act * i if "gate_up_proj" in lin and not tiled else 0.0
+    # A MoE layer's routed tensors are [S, .] for S = tokens x top-k slots, whichever experts the router picks: a
+    # trained router's imbalance moves rows between experts, not the total (the grouped path, stages.expert_lora)
+    expert_i = max((st.in_features for st in stacks if st.leaf == "down_proj"), default=0)
+    routed = tokens * s.top_k * act * (k["routed_i"] * expert_i + k["routed_h"] * h) if stacks else 0.0
     if t.gradient_checkpointing:
         kept = (2 if gpu["offload_activations"] else s.layers) * tokens * h * act
         nf4 = q.load_in_4bit
@@ -211,13 +229,14 @@ def estimate(cfg: RunConfig, s: Shapes, longest: int, on_gpu: bool, coef: dict |
                      + k["tile_i"] * shard * i * act)
         else:
             layer = tokens * act * (k["layer_h"] * h + k["layer_kv"] * kv + (k["layer_i"] + nf4 * k["nf4_i"]) * i)
-        layer += dropout + qk_norm
+        layer += dropout + qk_norm + routed
         if gpu["packing"] and gpu["packed_attention"] == "varlen":
             layer += k["packed_qkv"] * tokens * act * (s.heads * s.head_dim + kv)
-        if nf4:  # bitsandbytes dequantizes the weight to compute the input gradient
-            layer += max(a * o for m in lin.values() for a, o in m.shapes) * act
+        if nf4:  # bitsandbytes dequantizes the weight to compute the input gradient (a whole stack for NF4 experts)
+            layer += max([a * o for m in lin.values() for a, o in m.shapes]
+                         + [st.experts * st.in_features * st.out_features for st in stacks if nf4_stacks]) * act
     else:
-        kept = s.layers * (tokens * act * (k["layer_h"] * h + k["layer_kv"] * kv + k["layer_i"] * i) + dropout)
+        kept = s.layers * (tokens * act * (k["layer_h"] * h + k["layer_kv"] * kv + k["layer_i"] * i) + dropout + routed)
         layer = 0.0
     chunked = loss_mode(cfg, on_gpu) == "chunked"
     if chunked:  # Liger: chunks of next_pow2(tokens / ceil(vocab / hidden)) rows of logits, computed and consumed in turn
@@ -252,7 +271,8 @@ def estimate(cfg: RunConfig, s: Shapes, longest: int, on_gpu: bool, coef: dict |
     paged = sum(_state_bytes(gpu["optim"], n, on_gpu, paged=True) for n in matrices)
     shard = f", this process's 1/{n} shard" if fsdp else ""
     items = {
-        "base weights" + (" (NF4 + 16-bit embeddings)" if q.load_in_4bit else "") + shard
+        "base weights" + (" (NF4" + (", experts NF4" if stacks and nf4_stacks else ", experts 16-bit" if stacks else "")
+                          + " + 16-bit embeddings)" if q.load_in_4bit else "") + shard
         + (", input embedding in host memory" if host_embeddings else ""): weights,
         f"LoRA weights+grads+{gpu['optim']} states ({lora_params / 1e6:.1f} M params{shard})"
         + (f"; {paged / GIB:.2f} GiB more states paged outside torch" if paged else ""): adapters,

@@ -7,12 +7,14 @@ runs only when the config says `trust_remote_code: true`.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
+from stages import expert_lora, expert_nf4
 from stages.errors import ConfigError, ModelError
 
 if TYPE_CHECKING:  # annotations only: the config imports this module (to check the model), never the reverse
@@ -167,16 +169,22 @@ def load_base(model: ModelSection, quant: QuantizationSection, *, quantized: boo
             bnb_4bit_compute_dtype=cdt,
             **({"bnb_4bit_quant_storage": cdt} if sharded else {}),
         )
-    base = AutoModelForCausalLM.from_pretrained(
-        resolve_model_dir(model.name_or_path),
-        dtype=dtype,
-        attn_implementation=model.attn_implementation,
-        trust_remote_code=model.trust_remote_code,
-        use_safetensors=True,
-        # One device, never "auto": a silent CPU offload turns an OOM into a 50x slowdown.
-        device_map={"": "cpu" if sharded else str(device())},
-        **kwargs,
-    )
+    # QLoRA: the fused MoE expert stacks are quantized as they load, like the linear layers (stages.expert_nf4);
+    # sharded, they stay 16-bit: FSDP gathers parameters it can flatten, not packed stacks read by their own forward
+    nf4_experts = "quantization_config" in kwargs and not sharded
+    with expert_nf4.quantized_at_load() if nf4_experts else contextlib.nullcontext():
+        base = AutoModelForCausalLM.from_pretrained(
+            resolve_model_dir(model.name_or_path),
+            dtype=dtype,
+            attn_implementation=model.attn_implementation,
+            trust_remote_code=model.trust_remote_code,
+            use_safetensors=True,
+            # One device, never "auto": a silent CPU offload turns an OOM into a 50x slowdown.
+            device_map={"": "cpu" if sharded else str(device())},
+            **kwargs,
+        )
+    if expert_nf4.show_shapes(base):
+        expert_lora.use_nf4_stacks(base)
     if sharded:
         # FSDP places each shard, not this map; accelerate would refuse an NF4 model mapped to the host
         base.__dict__.pop("hf_device_map", None)

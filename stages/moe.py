@@ -97,15 +97,24 @@ class MoeParts:
 
 def _stack(name: str, module: nn.Module, param: torch.Tensor) -> ExpertStack | None:
     # Conv1d weights (Mamba, gated-delta-net mixers) are 3-D too; they are torch's own modules, experts never are
-    if param.ndim != 3 or type(module).__module__.startswith("torch."):
+    state = getattr(param, "quant_state", None)   # an NF4 stack (stages.expert_nf4) packs its 3-D shape away
+    shape = torch.Size(state.shape) if state is not None else param.shape
+    if len(shape) != 3 or type(module).__module__.startswith("torch."):
         return None
-    experts = param.shape[0]
+    experts = shape[0]
     if getattr(module, "num_experts", experts) != experts:
         return None
     # the same rule peft's ParamWrapper applies, so the count matches what it builds
     transposed = bool(getattr(module, "is_transposed", False))
-    inner, outer = (param.shape[1], param.shape[2]) if transposed else (param.shape[2], param.shape[1])
+    inner, outer = (shape[1], shape[2]) if transposed else (shape[2], shape[1])
     return ExpertStack(name, experts, inner, outer, transposed)
+
+
+def computable(experts: nn.Module) -> bool:
+    """An experts module of transformers' own kind (use_experts_implementation): its layout flags and gate are
+    what grouped_lora_forward reads."""
+    return all(hasattr(experts, a) for a in ("num_experts", "has_gate", "has_bias", "is_transposed")) \
+        and hasattr(experts, "_apply_gate" if experts.has_gate else "act_fn")   # GPT-OSS's gate is its own, no act_fn
 
 
 def target_parameters(names: list[str], every: list[str]) -> list[str]:

@@ -13,8 +13,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import pytest
 import torch
 
+from stages import expert_lora as experts
 from stages import moe
-from stages.train import experts
 
 E, H, I, R = 4, 64, 32, 4     # experts, hidden, expert intermediate, LoRA rank; multiples of 4 for grouped_mm's alignment
 COMMON = dict(hidden_size=H, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -220,3 +220,82 @@ def test_peft_keeps_a_full_stack_copy_for_backward_and_grouped_lora_does_not():
     # W + scaling * lhs @ rhs for every expert, saved by grouped_mm (as [E, in, out], the transpose it multiplies by)
     assert fresh_stacks(lambda: wrapper(x, index, weights)) == {(E, H, 2 * I), (E, I, H)}
     assert fresh_stacks(lambda: experts.grouped_lora_forward(module, x, index, weights, experts.unwrap(wrapper)[1])) == set()
+
+
+def _nf4_checkpoint(family: str, tmp_path):
+    """A tiny `family` model saved, loaded back QLoRA through the stages' loader, and loaded back 16-bit."""
+    from stages.config import ModelSection, QuantizationSection
+    from stages.modelio import load_base
+
+    kw = {"attn_implementation": "eager"} if family == "gpt_oss" else {}
+    tiny(family).save_pretrained(tmp_path / family)
+    section = ModelSection(name_or_path=str(tmp_path / family), torch_dtype="float32", **kw)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return load_base(section, QuantizationSection(load_in_4bit=True)), load_base(section, QuantizationSection())
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "olmoe", "mixtral", "granitemoe", "gpt_oss"])
+def test_qlora_loads_every_expert_stack_in_nf4_and_computes_it_as_its_dequantized_weights(family, tmp_path):
+    from stages import expert_nf4
+
+    nf4, full = _nf4_checkpoint(family, tmp_path)
+    stacks = moe.fused_experts(full).stacks
+    packed = {n: getattr(nf4.get_submodule(n), leaf) for n, leaves in expert_nf4.stacks(nf4).items() for leaf in leaves}
+    assert sum(len(v) for v in expert_nf4.stacks(nf4).values()) == len(stacks) == 4
+    for s in stacks:   # half a byte per weight, the 3-D shape kept for peft and for the estimate
+        p = nf4.get_parameter(s.name)
+        assert p.dtype == torch.uint8 and p.numel() * 2 == s.experts * s.in_features * s.out_features
+        assert p.ds_shape == full.get_parameter(s.name).shape
+    assert [(s.name, s.in_features, s.out_features) for s in moe.fused_experts(nf4).stacks] == \
+        [(s.name, s.in_features, s.out_features) for s in stacks]
+    assert packed
+
+    x = torch.randint(3, 128, (2, 12))
+    with torch.no_grad():
+        quantized = nf4(input_ids=x).logits
+        assert expert_nf4.dequantize_all(nf4) == 4   # transformers' own experts forward on the same weights
+        reference = nf4(input_ids=x).logits
+        exact = full(input_ids=x).logits
+    torch.testing.assert_close(quantized, reference, rtol=1e-4, atol=1e-5)
+    assert (quantized - exact).abs().max() > 1e-4   # and they are 4-bit weights, not the 16-bit ones
+
+
+def test_nf4_experts_train_their_lora_through_the_grouped_path_and_the_disabled_adapter_is_the_base(tmp_path):
+    nf4, _ = _nf4_checkpoint("qwen3_moe", tmp_path)
+    x = torch.randint(3, 128, (2, 12))
+    with torch.no_grad():
+        plain = nf4(input_ids=x).logits   # before peft wraps it
+    pm = lora(nf4, moe.fused_experts(nf4).target_parameters, init_lora_weights=False)
+    assert experts.use_grouped_lora(pm) == 2
+    with torch.no_grad(), pm.disable_adapter():
+        base = pm(input_ids=x).logits
+    with torch.no_grad():
+        adapted = pm(input_ids=x).logits
+    torch.testing.assert_close(base, plain)
+    assert (adapted - plain).abs().max() > 1e-3
+    pm(input_ids=x, labels=x).loss.backward()
+    grads = {n: p.grad for n, p in pm.named_parameters() if p.requires_grad and ".experts." in n}
+    assert len(grads) == 8 and all(g is not None and g.abs().sum() > 0 for g in grads.values())
+    with pytest.raises(ValueError, match="NF4 expert stacks"):
+        experts.use_grouped_lora(pm, on=False)
+
+
+def test_nf4_grouped_matmul_input_gradient_is_that_of_the_dequantized_stack():
+    import bitsandbytes as bnb
+
+    from stages import expert_nf4
+
+    torch.manual_seed(3)
+    w = torch.randn(E, 2 * I, H) * 0.05
+    p = bnb.nn.Params4bit(w, requires_grad=False, blocksize=64, quant_type="nf4")._quantize("cpu")
+    dense = expert_nf4.dequantize(p)
+    counts = torch.tensor([5, 0, 7, 4])
+    offs = counts.cumsum(0).to(torch.int32)
+    x = torch.randn(int(counts.sum()), H, requires_grad=True)
+    grad = torch.randn(x.shape[0], 2 * I)
+    (experts._NF4GroupedMM.apply(x, p, offs, False) * grad).sum().backward()
+    ours = x.grad.clone()
+    x.grad = None
+    (experts._gmm(x, dense.transpose(-2, -1), offs) * grad).sum().backward()
+    torch.testing.assert_close(ours, x.grad)

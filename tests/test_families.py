@@ -116,6 +116,30 @@ def test_every_family_trains_merges_exports_and_runs_under_llama_cpp(family, tmp
     assert all(f.n_prompts == 3 and f.load_s > 0 for f in smoked.files)
 
 
+def test_a_qlora_moe_trains_on_nf4_experts_and_merges_into_both_bases(tmp_path):
+    from stages import expert_nf4
+    from stages.modelio import load_base
+
+    model_dir, asset = tiny_model("qwen3_moe", tmp_path / "model")
+    cfg = _config(tmp_path, model_dir, asset)
+    cfg = cfg.model_copy(update={"quantization": cfg.quantization.model_copy(update={"load_in_4bit": True})})
+    base = load_base(cfg.model, cfg.quantization)
+    assert sum(map(len, expert_nf4.stacks(base).values())) == 4   # gate_up_proj and down_proj of both layers
+    del base
+
+    trained = train_stage.run(cfg, tmp_path / "train")
+    lora = load_file(trained.adapter_dir / "adapter_model.safetensors")
+    experts = [v for k, v in lora.items() if ".experts." in k and "lora_B" in k]
+    assert len(experts) == 4 and all(v.abs().sum() > 0 for v in experts)
+
+    merged = merge.run(cfg, trained.adapter_dir, tmp_path / "merge")   # auto: the 16-bit and the dequantized NF4 base
+    assert set(merged.kl) == {"16bit", "dequantized-nf4"} and merged.base in merged.kl
+    # the adapter ran on NF4 experts: merged into those same experts, dequantized, it is the closer of the two
+    assert merged.kl["dequantized-nf4"]["mean_kl"] < merged.kl["16bit"]["mean_kl"]
+    exported = export_stage.run(cfg, merged.merged_dir, tmp_path / "export")
+    assert [f.quant for f in smoke.run(cfg, [(f.quant, f.path) for f in exported.files], tmp_path / "smoke").files] == ["Q4_K_M"]
+
+
 @pytest.mark.parametrize("family", ["mistral", "phi3"])
 def test_a_family_without_the_tokenizer_its_releases_ship_is_refused_at_preflight_with_the_fix(family, tmp_path):
     """The SentencePiece model alone: transformers reads it for these model_types with a generic class that does

@@ -1,6 +1,6 @@
 """Attention + routed-experts LoRA on MoE shapes, one H200, one process: plain peft 0.21 target_parameters
 (its ParamWrapper forms W + B@A for every expert on each forward) against the train stage's grouped LoRA
-(stages.train.experts: the adapter applied to the tokens routed to each expert, three grouped matmuls).
+(stages.expert_lora: the adapter applied to the tokens routed to each expert, three grouped matmuls).
 
 Same model (random init from the family's published shapes, bf16, on the GPU), same adapter tensors (r 16,
 alpha 32, no dropout: peft has none on experts), same 2 x 2048 random tokens per step, gradient
@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from stages import architecture, moe  # noqa: E402
-from stages.train import experts  # noqa: E402
+from stages import expert_lora as experts  # noqa: E402
 
 # config.json shapes of the released models (num_hidden_layers etc. as published)
 SHAPES = {

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from peft import PeftModel
 
-from stages import errors, memory, moe
+from stages import errors, expert_lora, expert_nf4, memory, moe
 from stages.config import RunConfig, load_config
 from stages.errors import MissingInput
 from stages.export import fidelity
@@ -83,6 +83,7 @@ def run(cfg: RunConfig, adapter_dir: Path, out_dir: Path) -> MergeResult:
         if qlora:
             with moe.peft_targets_as_given():
                 trained = PeftModel.from_pretrained(load_base(cfg.model, cfg.quantization), adapter_dir)
+            expert_lora.use_grouped_lora(trained)   # NF4 expert stacks compute through the grouped path only
             reference = fidelity.log_probs(trained, sequences)
             del trained
             memory.free_gpu()
@@ -118,7 +119,9 @@ def _merge(cfg: RunConfig, adapter_dir: Path, choice: str, sequences: list[list[
     if choice == "16bit":
         base = load_base(cfg.model, cfg.quantization, quantized=False)
     else:
-        base = load_base(cfg.model, cfg.quantization, quantized=True).dequantize()
+        base = load_base(cfg.model, cfg.quantization, quantized=True)
+        expert_nf4.dequantize_all(base)   # transformers' dequantize() knows the linear layers only
+        base = base.dequantize()
     with moe.peft_targets_as_given():
         model = PeftModel.from_pretrained(base, adapter_dir)
     model.eval()

@@ -11,6 +11,7 @@ import functools
 import importlib.util
 import inspect
 import json
+import sys
 import textwrap
 
 from stages.config import TILE_FROM_TOKENS, ConfigError, RunConfig
@@ -205,7 +206,14 @@ def use_liger(model, *, loss: bool, kernels: bool, forced: bool = True) -> None:
             f"liger-kernel has no kernels for model_type {model.config.model_type!r}; "
             "set training.cross_entropy and training.fused_kernels to auto (stock modules) or plain/off"
         )
+    # Liger also swaps the family's experts class in its transformers module (LigerExperts, a fused MoE forward over
+    # 16-bit stacks): a model built later in this process (an OOM rebuild, merge) would lose the grouped expert
+    # LoRA and the NF4 stacks (stages.expert_lora). This instance keeps Liger's forward; the module keeps its class.
+    modeling = sys.modules.get(type(model).__module__)
+    experts_classes = {k: v for k, v in vars(modeling).items() if k.endswith("Experts")} if modeling else {}
     apply(model=model, **liger_options(apply, loss=loss, kernels=kernels))
+    for k, v in experts_classes.items():
+        setattr(modeling, k, v)
 
 
 # The MLP kernel is named for the family's activation (Llama's swiglu, Gemma's geglu, Nemotron's relu_squared),

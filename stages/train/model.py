@@ -4,10 +4,10 @@ preflight's probe build it here, the same way."""
 
 from __future__ import annotations
 
-from stages import architecture, moe
+from stages import architecture, expert_lora, moe
 from stages.config import RunConfig
 from stages.modelio import device, load_base
-from stages.train import experts, kernels, sharding
+from stages.train import kernels, sharding
 from stages.train.attention import avoid_cudnn_sdpa, use_packed_attention
 from stages.train.offload import embeddings_to_host
 
@@ -35,6 +35,7 @@ def build_model(cfg: RunConfig, longest: int | None = None):
         use_packed_attention(model, kernels.packed_attention(cfg))
     kernels.use_liger(model, loss=kernels.cross_entropy(cfg) == "chunked", kernels=kernels.fused_kernels(cfg),
               forced=cfg.training.cross_entropy == "chunked" or cfg.training.fused_kernels == "on")
+    expert_lora.use_nf4_stacks(model)   # Liger binds its fused MoE forward to the experts, which reads 16-bit stacks only
     if sharding.active(cfg) and kernels.cross_entropy(cfg) == "chunked":
         sharding.gather_lm_head_for_fused_loss(model)
     if kernels.tiled_mlp(cfg, longest):
@@ -51,7 +52,7 @@ def build_model(cfg: RunConfig, longest: int | None = None):
     set_seed(cfg.training.seed)
     with moe.peft_targets_as_given():
         model = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", **lora))
-    if targets.stacks and experts.use_grouped_lora(model):
+    if targets.stacks and expert_lora.use_grouped_lora(model):
         print("train: LoRA on the routed experts computed on the tokens routed to each expert (grouped matmuls)")
     check_only_lora_trains(model)
     check_adapted(model, targets, cfg.lora.r)

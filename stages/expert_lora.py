@@ -17,6 +17,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from stages import expert_nf4, moe
+
 Factors = tuple[torch.Tensor, torch.Tensor, float]   # A [E, r, in], B [E, out, r], scaling
 
 
@@ -59,10 +61,31 @@ def _gmm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
                      or [x.new_zeros(0, w.shape[-1])])
 
 
+class _NF4GroupedMM(torch.autograd.Function):
+    """x @ W_g^T per group for an NF4 stack, dequantized in forward and again in backward: no 16-bit copy of the
+    stack lives between them (the base weight is frozen, so only x gets a gradient)."""
+
+    @staticmethod
+    def forward(ctx, x, param, offs, transposed: bool):
+        ctx.save_for_backward(offs)
+        ctx.param, ctx.transposed = param, transposed
+        w = expert_nf4.dequantize(param).to(x.dtype)
+        return _gmm(x, w if transposed else w.transpose(-2, -1), offs)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (offs,) = ctx.saved_tensors
+        w = expert_nf4.dequantize(ctx.param).to(grad.dtype)
+        return _gmm(grad.contiguous(), w.transpose(-2, -1) if ctx.transposed else w, offs), None, None, None
+
+
 def _project(experts: nn.Module, name: str, x: torch.Tensor, offs: torch.Tensor, groups: torch.Tensor,
              factors: dict[str, Factors]) -> torch.Tensor:
     w = getattr(experts, name)
-    y = _gmm(x, w if experts.is_transposed else w.transpose(-2, -1), offs)
+    if expert_nf4.is_nf4(w):
+        y = _NF4GroupedMM.apply(x, w, offs, bool(experts.is_transposed))
+    else:
+        y = _gmm(x, w if experts.is_transposed else w.transpose(-2, -1), offs)
     if name in factors:
         a, b, scaling = factors[name]
         a, b = a.to(x.dtype), b.to(x.dtype)   # peft keeps adapters in fp32 over a bf16 model; grouped_mm takes one dtype
@@ -90,14 +113,28 @@ def grouped_lora_forward(experts: nn.Module, hidden_states: torch.Tensor, top_k_
     return out.view(-1, top_k, y.shape[-1]).sum(dim=1).to(hidden_states.dtype)
 
 
-def _computable(experts: nn.Module) -> bool:
-    """An experts module of transformers' own kind (use_experts_implementation): its layout flags and gate are
-    what grouped_lora_forward reads."""
-    return all(hasattr(experts, a) for a in ("num_experts", "has_gate", "has_bias", "is_transposed", "act_fn")) \
-        and (not experts.has_gate or hasattr(experts, "_apply_gate"))
+def grouped_forward(experts: nn.Module, hidden_states, top_k_index, top_k_weights):
+    """An unadapted experts module's forward through the grouped path (its stacks in NF4: stages.expert_nf4)."""
+    return grouped_lora_forward(experts, hidden_states, top_k_index, top_k_weights, {})
+
+
+def use_nf4_stacks(model: nn.Module) -> int:
+    """Every experts module holding NF4 stacks (stages.expert_nf4) computes through the grouped path, which
+    dequantizes them on the fly; transformers' own experts forward would read the packed bytes. Returns how many."""
+    found = expert_nf4.stacks(model)
+    for name in found:
+        model.get_submodule(name).forward = grouped_forward.__get__(model.get_submodule(name))
+    return len(found)
+
+
+def _nf4_inside(wrapper: nn.Module) -> bool:
+    inner = unwrap(wrapper)[0]
+    return any(expert_nf4.is_nf4(p) for p in inner.parameters(recurse=False))
 
 
 def _grouped_forward(wrapper: nn.Module, hidden_states, top_k_index, top_k_weights, *args, **kwargs):
+    if wrapper.disable_adapters and _nf4_inside(wrapper):   # peft's path would add its delta to packed bytes
+        return grouped_lora_forward(unwrap(wrapper)[0], hidden_states, top_k_index, top_k_weights, {})
     # peft's own path wherever it differs from one active, unmerged adapter: disabled (the base's outputs), merged
     if wrapper.disable_adapters or wrapper.merged or len(wrapper.active_adapters) != 1 or args or kwargs:
         return type(wrapper).forward(wrapper, hidden_states, top_k_index, top_k_weights, *args, **kwargs)
@@ -116,8 +153,11 @@ def use_grouped_lora(model: nn.Module, on: bool = True) -> int:
         if isinstance(parent, ParamWrapper):
             continue
         for child in parent.children():
-            if not (isinstance(child, ParamWrapper) and _computable(unwrap(child)[0])):
+            if not (isinstance(child, ParamWrapper) and moe.computable(unwrap(child)[0])):
                 continue
+            if not on and _nf4_inside(child):
+                raise ValueError("peft's ParamWrapper forward cannot run on NF4 expert stacks: they compute through "
+                                 "stages.expert_lora only")
             if on:
                 child.forward = _grouped_forward.__get__(child)
             else:
