@@ -60,6 +60,7 @@ sys.path.insert(0, str(REPO / "bench"))
 
 QVO = ["q_proj", "v_proj", "o_proj"]
 # Shapes of real models (config.json values), beside bench/preflight_grid.py's SHAPES.
+MOE_IDS = dict(bos_token_id=1, eos_token_id=2, pad_token_id=0)
 NEW_SHAPES = {
     # q/k-norm attention, tied 152k table, 2:1 GQA, head_dim 128 (Qwen3-1.7B)
     "qwen3-1.7b": dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], hidden_size=2048, intermediate_size=6144,
@@ -118,6 +119,33 @@ NEW_SHAPES = {
                              intermediate_size=14336, num_hidden_layers=40, num_attention_heads=32, num_key_value_heads=8,
                              head_dim=128, vocab_size=131072, max_position_embeddings=131072, rope_theta=1e6,
                              tie_word_embeddings=False),
+    # mixtures of experts (issue 34): the released models' config.json shapes; ids those of the tiny default's tokenizer
+    # OLMoE-1B-7B: 64 experts top-8, no shared expert, q/k-norm over all heads
+    "olmoe-1b-7b": dict(model_type="olmoe", architectures=["OlmoeForCausalLM"], hidden_size=2048, intermediate_size=1024,
+                        num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=16, num_experts=64,
+                        num_experts_per_tok=8, vocab_size=50304, max_position_embeddings=4096, rope_theta=1e4,
+                        tie_word_embeddings=False, **MOE_IDS),
+    # Granite-3.0-3B-A800M: 40 experts top-8 under block_sparse_moe, Granite's multipliers; Liger has no kernels for it
+    "granitemoe-3b": dict(model_type="granitemoe", architectures=["GraniteMoeForCausalLM"], hidden_size=1536,
+                          intermediate_size=512, num_hidden_layers=32, num_attention_heads=24, num_key_value_heads=8,
+                          num_local_experts=40, num_experts_per_tok=8, vocab_size=49155, max_position_embeddings=4096,
+                          tie_word_embeddings=True, embedding_multiplier=12.0, logits_scaling=6.0, residual_multiplier=0.22,
+                          attention_multiplier=0.015625, **MOE_IDS),
+    # Qwen3-30B-A3B's layers (128 experts top-8, moe_intermediate 768, 152k untied table), 12 of its 48: a checkpoint
+    # of the whole model (57 GiB) does not fit the device's disk beside the rest
+    "qwen3-30b-a3b-12l": dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], hidden_size=2048,
+                              intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=12, num_attention_heads=32,
+                              num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+                              vocab_size=151936, max_position_embeddings=40960, rope_theta=1e6, rms_norm_eps=1e-6,
+                              tie_word_embeddings=False, **MOE_IDS),
+    # Mixtral-shaped (8 experts top-2, SwiGLU experts, 4:1 GQA), scaled to width 1024 and 16 layers
+    "mixtral-1.5b-8e": dict(model_type="mixtral", architectures=["MixtralForCausalLM"], hidden_size=1024, intermediate_size=3584,
+                          num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=4, num_local_experts=8,
+                          num_experts_per_tok=2, vocab_size=32000, max_position_embeddings=32768, rope_theta=1e6,
+                          tie_word_embeddings=False, **MOE_IDS),
+    "tiny-moe": dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], hidden_size=64, intermediate_size=160,
+                     moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                     num_experts=4, num_experts_per_tok=2, vocab_size=1000, tie_word_embeddings=False, **MOE_IDS),
     # CPU dry runs
     "tiny-qk": dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], hidden_size=64, intermediate_size=160, num_hidden_layers=2,
                     num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=1000, tie_word_embeddings=True),
@@ -173,9 +201,19 @@ ROWS = {
     "N2": ("mistral-nemo-12b", "nf4", "off", 2048, 2, 16, "all-linear"),
     "N3": ("gemma2-2b", "bf16", "on", 4096, 2, 16, "all-linear"),
     "N4": ("gemma2-2b", "nf4", "off", 2048, 4, 16, "all-linear"),
+    # M rows: mixtures of experts, the project's LoRA defaults (r 16, all-linear: attention and every expert stack)
+    "M1": ("olmoe-1b-7b", "nf4", "on", 2048, 4, 16, "all-linear"),
+    "M2": ("olmoe-1b-7b", "bf16", "off", 2048, 2, 16, "all-linear"),
+    "M3": ("granitemoe-3b", "nf4", "off", 2048, 4, 16, "all-linear"),
+    "M4": ("granitemoe-3b", "bf16", "on", 4096, 2, 16, "all-linear"),
+    "M5": ("qwen3-30b-a3b-12l", "nf4", "on", 2048, 4, 16, "all-linear"),
+    "M6": ("qwen3-30b-a3b-12l", "bf16", "off", 2048, 2, 16, "all-linear"),
+    "M7": ("mixtral-1.5b-8e", "nf4", "on", 4096, 2, 16, "all-linear"),
+    "M8": ("mixtral-1.5b-8e", "bf16", "off", 2048, 4, 16, "all-linear"),
     "T1": ("tiny-qk", "bf16", "on", 256, 4, 8, QVO),
     "T2": ("tiny-fused", "bf16", "off", 128, 4, 8, QVO),
     "T3": ("tiny-gemma2", "bf16", "on", 256, 4, 8, "all-linear"),
+    "T4": ("tiny-moe", "nf4", "on", 256, 4, 8, "all-linear"),
 }
 STEPS, EVAL_EVERY = 20, 10
 BELOW = 0.95  # validate: the stage capped at this fraction of the estimate must run out
@@ -238,7 +276,8 @@ def row_config(name: str, model_dir: Path, train: Path, held: Path, work: Path, 
         "model": {"name_or_path": str(model_dir)},
         "data": {"train_file": str(train), "eval_file": str(held), "max_length": max_length, "long_sample_policy": "truncate",
                  "num_proc": 1},
-        "lora": {"r": r, "lora_alpha": 32, "target_modules": targets, "lora_dropout": 0.05},
+        # MoE: the default dropout, which becomes 0 where experts are adapted (peft has none on them)
+        "lora": {"r": r, "lora_alpha": 32, "target_modules": targets} | ({} if name[0] == "M" or shape == "tiny-moe" else {"lora_dropout": 0.05}),
         "quantization": {"load_in_4bit": quant == "nf4"},
         # every memory setting at its default; only the run's length and the failure mode are the bench's
         "training": {"per_device_train_batch_size": mb, "packing": packing, "max_steps": STEPS, "eval_steps": EVAL_EVERY,

@@ -111,6 +111,10 @@ def make_checkpoint(shape: str, root: Path, shapes: dict | None = None, **config
     torch.cuda.empty_cache()
     for f in ("tokenizer.model", "tokenizer_config.json"):
         shutil.copy(REPO / "assets" / "tiny-llama" / f, out / f)
+    if config.model_type in ("mistral", "mixtral", "phi3"):   # read by a generic class: the tokenizer.json releases ship
+        from transformers import AutoTokenizer
+
+        AutoTokenizer.from_pretrained(REPO / "assets" / "tiny-llama").save_pretrained(out)
     return out
 
 

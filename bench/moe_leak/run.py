@@ -1,0 +1,95 @@
+"""What keeps a MoE model's GPU memory alive after the preflight's probe (bench/capped_grid.py pages rows M1-M4: the
+train stage that followed in the same process found 3.8-13 GiB still allocated). One row's preflight, then every live
+CUDA tensor of over 64 MiB and the chain of objects referring to the largest.
+
+    python3 bench/moe_leak/run.py --rows M2 M3 --out $OUT/moe_leak.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import capped_grid as cg  # noqa: E402
+from preflight_grid import make_checkpoint  # noqa: E402
+
+
+def describe(o) -> str:
+    if isinstance(o, dict):
+        return f"dict keys {list(o)[:8]}"
+    if isinstance(o, (list, tuple)):
+        return f"{type(o).__name__} of {len(o)}"
+    if hasattr(o, "f_code"):
+        return f"frame {o.f_code.co_name} {o.f_code.co_filename}:{o.f_lineno}"
+    return f"{type(o).__module__}.{type(o).__qualname__}"
+
+
+def chain(obj, depth: int, seen: set) -> list:
+    out = []
+    if depth == 0:
+        return out
+    for ref in gc.get_referrers(obj):
+        if id(ref) in seen or ref is seen or isinstance(ref, type(sys._getframe())) and ref.f_code.co_name == "chain":
+            continue
+        seen.add(id(ref))
+        out.append({"ref": describe(ref), "up": chain(ref, depth - 1, seen) if not hasattr(ref, "f_code") else []})
+        if len(out) >= 4:
+            break
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", nargs="+", default=["M2"])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--work", type=Path, default=Path("/tmp/capped-grid"))
+    a = ap.parse_args()
+    from stages import memory, preflight
+
+    result = {}
+    for name in a.rows:
+        shape, quant, packing, max_length, mb, r, targets = cg.ROWS[name]
+        model_dir = make_checkpoint(shape, a.work / "models", cg.shapes())
+        train, held = cg.make_data(a.work, max_length, mb, packing == "on")
+        cfg = cg.row_config(name, model_dir, train, held, a.work / "leak" / name, False, probe=True)
+        pre = preflight.run(cfg, a.work / "leak" / name / "preflight", train_only=True)
+        memory.free_gpu()
+        big = [o for o in gc.get_objects() if torch.is_tensor(o) and o.is_cuda and o.numel() * o.element_size() > 64 * 2**20]
+        big.sort(key=lambda t: -t.numel() * t.element_size())
+        row = {"need_gib": pre.need_gib, "allocated_after_gib": round(torch.cuda.memory_allocated() / 2**30, 3),
+               "big_tensors": [[list(t.shape), str(t.dtype), round(t.numel() * t.element_size() / 2**20)] for t in big[:12]],
+               "n_big": len(big)}
+        if big:
+            row["referrers_of_largest"] = chain(big[0], 5, set())
+        del big
+        gc.collect()
+        # the outermost live objects of the model: whatever holds them is the leak
+        tops = [o for o in gc.get_objects() if type(o).__name__.startswith(("PeftModel", "Trainer", "LoraModel"))
+                or (isinstance(o, torch.nn.Module) and type(o).__name__.endswith("ForCausalLM"))]
+        row["tops"] = {}
+        for t in tops:
+            refs = []
+            for ref in gc.get_referrers(t):
+                if ref is tops:
+                    continue
+                owners = [describe(o) for o in gc.get_referrers(ref) if o is not tops and not isinstance(o, list)][:4] \
+                    if isinstance(ref, (dict, list, tuple)) or type(ref).__name__ in ("cell", "method") else []
+                refs.append({"ref": describe(ref) + (f" {getattr(ref, '__qualname__', '')}" if callable(ref) else ""),
+                             "owners": owners})
+            row["tops"][f"{type(t).__name__}@{id(t)}"] = refs[:12]
+        del tops
+        result[name] = row
+        print(name, json.dumps(row)[:3000], flush=True)
+        Path(a.out).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
