@@ -74,6 +74,33 @@ def main() -> None:
         # the outermost live objects of the model: whatever holds them is the leak
         tops = [o for o in gc.get_objects() if type(o).__name__.startswith(("PeftModel", "Trainer", "LoraModel"))
                 or (isinstance(o, torch.nn.Module) and type(o).__name__.endswith("ForCausalLM"))]
+        # the outermost live peft wrapper of the expert stacks, and everything that refers to it
+        from peft.tuners.lora.layer import ParamWrapper
+
+        wrappers = [o for o in gc.get_objects() if isinstance(o, ParamWrapper)]
+        inner = {id(w.base_layer) for w in wrappers}
+        outer = [w for w in wrappers if id(w) not in inner]
+        row["live_wrappers"] = len(wrappers)
+        probe_list = [wrappers, outer]
+        if outer:
+            found = []
+            for ref in gc.get_referrers(outer[0]):
+                if any(ref is x for x in probe_list):
+                    continue
+                entry = {"ref": describe(ref)}
+                if isinstance(ref, dict):
+                    entry["owners"] = [describe(o) + (f" {getattr(o, '__qualname__', '')}" if callable(o) else "")
+                                       for o in gc.get_referrers(ref) if not any(o is x for x in probe_list)][:5]
+                elif type(ref).__name__ in ("method", "cell", "function"):
+                    entry["what"] = repr(ref)[:200]
+                    entry["owners"] = [describe(o) for o in gc.get_referrers(ref) if not any(o is x for x in probe_list)][:5]
+                elif isinstance(ref, (list, tuple)):
+                    entry["items"] = [describe(x) for x in ref[:6]]
+                    entry["owners"] = [describe(o) + (f" {getattr(o, '__qualname__', '')}" if callable(o) else "")
+                                       for o in gc.get_referrers(ref) if not any(o is x for x in probe_list)][:5]
+                found.append(entry)
+            row["outer_wrapper_referrers"] = found[:15]
+        del wrappers, outer, probe_list
         row["tops"] = {}
         for t in tops:
             refs = []
