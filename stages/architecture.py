@@ -102,7 +102,7 @@ class Targets:
                     + f" ({'/'.join(map(str, counts))} experts each, rank {r} per expert): "
                     f"{self.expert_params(r) / 1e6:.2f} M LoRA parameters")
             else:
-                frozen = sum(s.experts * s.in_features * s.out_features for s in self.experts.stacks)
+                frozen = sum(s.numel for s in self.experts.stacks)
                 out += f"; routed experts NOT adapted ({len(self.experts.stacks)} stacks, {frozen / 1e9:.2f} B weights frozen)"
             out += "; routers frozen"
         return out

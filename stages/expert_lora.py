@@ -123,7 +123,8 @@ def use_nf4_stacks(model: nn.Module) -> int:
     dequantizes them on the fly; transformers' own experts forward would read the packed bytes. Returns how many."""
     found = expert_nf4.stacks(model)
     for name in found:
-        model.get_submodule(name).forward = grouped_forward.__get__(model.get_submodule(name))
+        module = model.get_submodule(name)
+        module.forward = grouped_forward.__get__(module)
     return len(found)
 
 
@@ -134,7 +135,7 @@ def _nf4_inside(wrapper: nn.Module) -> bool:
 
 def _grouped_forward(wrapper: nn.Module, hidden_states, top_k_index, top_k_weights, *args, **kwargs):
     if wrapper.disable_adapters and _nf4_inside(wrapper):   # peft's path would add its delta to packed bytes
-        return grouped_lora_forward(unwrap(wrapper)[0], hidden_states, top_k_index, top_k_weights, {})
+        return grouped_forward(unwrap(wrapper)[0], hidden_states, top_k_index, top_k_weights)
     # peft's own path wherever it differs from one active, unmerged adapter: disabled (the base's outputs), merged
     if wrapper.disable_adapters or wrapper.merged or len(wrapper.active_adapters) != 1 or args or kwargs:
         return type(wrapper).forward(wrapper, hidden_states, top_k_index, top_k_weights, *args, **kwargs)

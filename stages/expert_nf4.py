@@ -31,11 +31,6 @@ def is_nf4(param) -> bool:
     return getattr(param, "quant_state", None) is not None
 
 
-def stored_shape(param: torch.Tensor) -> torch.Size:
-    """A parameter's logical shape, packed or not."""
-    return torch.Size(param.quant_state.shape) if is_nf4(param) else param.shape
-
-
 def dequantize(param: torch.Tensor) -> torch.Tensor:
     import bitsandbytes.functional as F
 

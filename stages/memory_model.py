@@ -189,7 +189,7 @@ def estimate(cfg: RunConfig, s: Shapes, longest: int, on_gpu: bool, coef: dict |
     table = s.vocab * s.hidden
     host_embeddings = gpu["offload_embeddings"] and not s.tied  # a table tied to lm_head stays on the GPU
     stacks = s.stacks()
-    stack_params = sum(st.experts * st.in_features * st.out_features for st in stacks)
+    stack_params = sum(st.numel for st in stacks)
     other_params = (0 if host_embeddings else table) + (0 if s.tied else table) + s.other_params() - stack_params
     n = t.shards  # distributed: fsdp shards what follows over n processes; 1 otherwise
     # NF4 with FSDP: the packed 4-bit data is sharded, its quantisation constants (absmax) stay whole on every process
@@ -234,7 +234,7 @@ def estimate(cfg: RunConfig, s: Shapes, longest: int, on_gpu: bool, coef: dict |
             layer += k["packed_qkv"] * tokens * act * (s.heads * s.head_dim + kv)
         if nf4:  # bitsandbytes dequantizes the weight to compute the input gradient (a whole stack for NF4 experts)
             layer += max([a * o for m in lin.values() for a, o in m.shapes]
-                         + [st.experts * st.in_features * st.out_features for st in stacks if nf4_stacks]) * act
+                         + [st.numel for st in stacks if nf4_stacks]) * act
     else:
         kept = s.layers * (tokens * act * (k["layer_h"] * h + k["layer_kv"] * kv + k["layer_i"] * i) + dropout + routed)
         layer = 0.0

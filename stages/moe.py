@@ -62,6 +62,11 @@ class ExpertStack:
     transposed: bool     # stored [E, in, out] (GPT-OSS) rather than [E, out, in]
 
     @property
+    def numel(self) -> int:
+        """The stack's base weights: E experts of in x out."""
+        return self.experts * self.in_features * self.out_features
+
+    @property
     def leaf(self) -> str:
         return self.name.rpartition(".")[2]
 

@@ -55,7 +55,7 @@ def active_params(model, shape: dict) -> int:
     """Parameters one token meets: everything but the experts it is not routed to and the input table."""
     total = sum(p.numel() for p in model.parameters())
     stacks = moe.fused_experts(model).stacks
-    expert = sum(s.experts * s.in_features * s.out_features for s in stacks)
+    expert = sum(s.numel for s in stacks)
     e, k = stacks[0].experts, shape["num_experts_per_tok"]
     return total - expert + expert * k // e - shape["vocab_size"] * shape["hidden_size"]
 
