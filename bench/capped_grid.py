@@ -431,7 +431,7 @@ def run_row(mode: str, name: str, work: Path, cpu: bool, deadline: float) -> dic
     if mode == "pages":  # the GPU figure: the probe's step need, scaled (PreflightResult.need_gib), checked like the estimate
         p = pre.probe
         spec |= {"need_gib": pre.need_gib, "probe_pages_gib": p and p.pages_gib, "probe_build_pages_gib": p and p.build_pages_gib,
-                 "probe_step_need_gib": p and p.step_need_gib, "probe_peak_alloc_gib": p and p.peak_alloc_gib,
+                 "probe_step_need_gib": p and p.step_need_gib, "probe_eval_need_gib": p and p.eval_need_gib, "probe_peak_alloc_gib": p and p.peak_alloc_gib,
                  "probe_peak_reserved_gib": p and p.peak_reserved_gib, "probe_seconds": pre.memory.wall_s if pre.memory else None}
         if not pre.need_gib:
             return spec | {"trials": trials, "error": f"no page figure from the probe ({p and p.error})"}

@@ -69,6 +69,7 @@ class LengthScan:
     longest: list[int] = field(default_factory=list)  # the longest lengths, longest first: a packed worst micro-batch's rows
     packed: bool = False      # micro-batches are packed to a token budget (training.packing as resolved for the device)
     planned: list[int] = field(default_factory=list)  # packed: the row lengths of the run's heaviest planned micro-batch
+    eval_planned: list[int] = field(default_factory=list)  # packed: the fullest eval micro-batch's, where it holds more tokens
 
 
 @dataclass
@@ -83,6 +84,7 @@ class ProbeResult:
     pages_gib: float | None = None        # the two steps: the most allocator pages live blocks touched at once (memory.page_need)
     build_pages_gib: float | None = None  # the same over the model build
     step_need_gib: float | None = None    # the smallest cap one more step completes under (capped_step_need)
+    eval_need_gib: float | None = None    # the same for an eval forward of the fullest eval micro-batch, after the steps
 
 
 @dataclass
@@ -112,7 +114,8 @@ class PreflightResult:
     def need_of(p: ProbeResult | None) -> float | None:
         if not (p and p.ok and p.step_need_gib):
             return None
-        return round(max(p.step_need_gib * NEED_SCALE + NEED_PLUS_GIB, p.build_pages_gib or 0.0), 4)
+        need = max(p.step_need_gib, p.eval_need_gib or 0.0)
+        return round(max(need * NEED_SCALE + NEED_PLUS_GIB, p.build_pages_gib or 0.0), 4)
 
 
 def run(cfg: RunConfig, out_dir: Path, gpu_memory_gib: float | None = None, *, train_only: bool = False) -> PreflightResult:
@@ -136,7 +139,8 @@ def run(cfg: RunConfig, out_dir: Path, gpu_memory_gib: float | None = None, *, t
         # The CUDA context (driver, kernels) lives outside torch's allocator, which is what
         # the estimate and the probe measure; on a GPU it comes off the budget first.
         usable = (budget - (CUDA_CONTEXT_GIB if on_gpu else 0.0)) * (1 - cfg.preflight.margin)
-        widen_for_eval(cfg, tokenizer, lengths, resolve_auto(cfg, on_gpu=on_gpu, longest=lengths.max)["packing"])
+        eval_rows = eval_loss.rows(cfg, tokenizer) if eval_loss.eval_steps(cfg, True) else []
+        widen_for_eval(cfg, eval_rows, lengths, resolve_auto(cfg, on_gpu=on_gpu, longest=lengths.max)["packing"])
         settings = resolve_auto(cfg, on_gpu=on_gpu, longest=lengths.max)
         lengths.worst_batch_tokens, lengths.packed = settings["widest_micro_batch"], settings["packing"]
         if settings["packing"] and lengths.max > cfg.token_budget():
@@ -146,10 +150,15 @@ def run(cfg: RunConfig, out_dir: Path, gpu_memory_gib: float | None = None, *, t
         plan_tokens = None
         if settings["packing"]:  # the run's own heaviest micro-batch: its plan is fixed by the data, seed, budget and max_steps
             lengths.planned = planned_worst(cfg, tokenizer, planned)
-            lengths.worst_batch_tokens = sum(lengths.planned)
+            fullest_eval = eval_worst(cfg, eval_rows)
+            if sum(fullest_eval) > sum(lengths.planned):  # its forward is probed too; the estimate takes the heavier
+                lengths.eval_planned = fullest_eval
+                held_notes.append(f"the fullest eval micro-batch holds {sum(fullest_eval)} tokens, more than the "
+                                  f"{sum(lengths.planned)} of the heaviest the training plan holds: the probe measures its eval too")
+            lengths.worst_batch_tokens = max(sum(lengths.planned), sum(fullest_eval))
 
             def plan_tokens(changed: RunConfig) -> int:  # the same for a changed config (budget, processes), same data
-                return sum(planned_worst(changed, tokenizer))
+                return max(sum(planned_worst(changed, tokenizer)), sum(eval_worst(changed, eval_rows)))
         est = estimate(cfg, shapes, lengths.max, on_gpu=on_gpu, packed_tokens=lengths.worst_batch_tokens if lengths.planned else None)
         weights = next(v for k, v in est.items_gib.items() if k.startswith("base weights"))
         if weights > usable:
@@ -166,7 +175,8 @@ def run(cfg: RunConfig, out_dir: Path, gpu_memory_gib: float | None = None, *, t
         # Probing a run the estimate puts far over budget would only OOM slowly. With fsdp one process's memory
         # depends on the others: the probe (one process) cannot measure it, the train stage records each's peak.
         if on_gpu and cfg.preflight.probe and cfg.training.distributed != "fsdp" and est.total_gib <= PROBE_IF_UNDER * usable:
-            result_probe = probe(cfg, lengths.max, usable, out_dir, lengths=lengths.longest, rows=lengths.planned or None)
+            result_probe = probe(cfg, lengths.max, usable, out_dir, lengths=lengths.longest, rows=lengths.planned or None,
+                                 eval_rows=lengths.eval_planned or None)
         fits, need = est.total_gib <= usable, None
         if result_probe:  # measured on this GPU: the probe's steps ran under the cap, and what the run needs fits it
             need = PreflightResult.need_of(result_probe)
@@ -196,7 +206,7 @@ def run(cfg: RunConfig, out_dir: Path, gpu_memory_gib: float | None = None, *, t
 
 
 def probe(cfg: RunConfig, worst_len: int, cap_gib: float, out_dir: Path, model=None, lengths: list[int] | None = None,
-          rows: list[int] | None = None, descend: bool = True) -> ProbeResult:
+          rows: list[int] | None = None, descend: bool = True, eval_rows: list[int] | None = None) -> ProbeResult:
     """Two real optimizer steps on the worst micro-batch, built exactly as training builds it,
     with the process capped at `cap_gib` (torch.cuda.set_per_process_memory_fraction).
 
@@ -209,6 +219,9 @@ def probe(cfg: RunConfig, worst_len: int, cap_gib: float, out_dir: Path, model=N
             None builds it here, which is what preflight does.
         rows: packed, the row lengths of the micro-batch to probe (the run's heaviest planned one), as they are.
         descend: after the two steps, find the smallest cap a step completes under (capped_step_need): the need.
+        eval_rows: packed, the row lengths of an eval micro-batch fuller than `rows`: after the descent, the smallest
+            cap its eval forward completes under, beside the optimizer states the steps left, as training's evals meet
+            it; the need is the larger of the two.
     """
     import torch
 
@@ -226,7 +239,7 @@ def probe(cfg: RunConfig, worst_len: int, cap_gib: float, out_dir: Path, model=N
     torch.cuda.set_per_process_memory_fraction(min(1.0, cap_gib * GIB / total))
     torch.cuda.reset_peak_memory_stats()
     built, trainer = model is None, None
-    built_pages, step_pages, need, build_peaks = memory.page_need(), memory.page_need(), None, None
+    built_pages, step_pages, need, build_peaks, eval_need = memory.page_need(), memory.page_need(), None, None, None
     try:
         with built_pages:
             if built:
@@ -235,11 +248,7 @@ def probe(cfg: RunConfig, worst_len: int, cap_gib: float, out_dir: Path, model=N
         torch.cuda.reset_peak_memory_stats()  # the steps' own peak: where the descent starts
         vocab = model.get_input_embeddings().num_embeddings
         gen = torch.Generator().manual_seed(0)
-        rows = []
-        for _ in range(2):
-            for n in batch:
-                ids = torch.randint(3, vocab, (n,), generator=gen).tolist()
-                rows.append({"input_ids": ids, "labels": ids})
+        rows = random_rows(batch, vocab, gen) + random_rows(batch, vocab, gen)
         train_data, collator = ((packing.PackedRows(rows, [list(range(len(batch))), list(range(len(batch), 2 * len(batch)))]),
                             batches.PackedCollator(varlen=kernels.packed_attention(cfg) == "varlen")) if packed
                            else (rows, batches.Collator(0)))
@@ -251,6 +260,8 @@ def probe(cfg: RunConfig, worst_len: int, cap_gib: float, out_dir: Path, model=N
             trainer.train()
         if descend and step_pages.gib:
             need = capped_step_need(trainer, torch.cuda.max_memory_allocated() / GIB, step_pages.gib, total, cap_gib)
+        if descend and need is not None and eval_rows:
+            eval_need = capped_eval_need(trainer, random_rows(eval_rows, vocab, gen), eval_loss.collate_like(collator), total, cap_gib)
         ok, error, postmortem = True, None, None
     except torch.OutOfMemoryError as e:
         ok, error = False, str(e).split("\n")[0][:300]
@@ -267,38 +278,72 @@ def probe(cfg: RunConfig, worst_len: int, cap_gib: float, out_dir: Path, model=N
         memory.free_gpu()
         torch.cuda.set_per_process_memory_fraction(1.0)
     return ProbeResult(ok, round(peak_reserved, 4), round(peak_alloc, 4), round(cap_gib, 3), batch, postmortem, error,
-                       pages_gib=_r4(step_pages.gib), build_pages_gib=_r4(built_pages.gib), step_need_gib=_r4(need))
+                       pages_gib=_r4(step_pages.gib), build_pages_gib=_r4(built_pages.gib), step_need_gib=_r4(need),
+                       eval_need_gib=_r4(eval_need))
 
 
 def _r4(x: float | None) -> float | None:
     return None if x is None else round(x, 4)
 
 
+def random_rows(lengths: list[int], vocab: int, gen) -> list[dict]:
+    """Rows of these lengths of random token ids, every token a label: what the probe trains and evaluates on."""
+    import torch
+
+    return [{"input_ids": ids, "labels": ids} for ids in (torch.randint(3, vocab, (n,), generator=gen).tolist() for n in lengths)]
+
+
 def capped_step_need(trainer, lo: float, hi: float, total: int, cap_gib: float, tries: int = 6) -> float | None:
-    """The smallest cap (GiB) under which one more optimizer step on the worst micro-batch completes, found by
-    bisection between the steps' peak allocated (`lo`, never enough: pages hold more) and their page figure (`hi`,
-    raised until a step completes under it). Each try starts from an emptied cache, as a capped run's allocator
-    is after it gave its free pages back; an OOM's frames are dropped before the next. None if no step completes
-    under `cap_gib`."""
+    """The smallest cap (GiB) under which one more optimizer step on the worst micro-batch completes (capped_need)."""
+    trainer.args.max_steps = 1
+
+    def step() -> None:
+        try:
+            trainer.train()
+        finally:
+            trainer.model.zero_grad(set_to_none=True)
+            if trainer.offload is not None:
+                trainer.offload.reset()
+
+    return capped_need(step, lo, hi, total, cap_gib, tries)
+
+
+def capped_eval_need(trainer, rows: list[dict], collate, total: int, cap_gib: float) -> float | None:
+    """The smallest cap (GiB) under which the eval forward of one micro-batch of `rows` completes, the optimizer
+    states of the steps before it still allocated, as at a training eval (eval_loss.measure, the Trainer's own)."""
+    import torch
+
+    def forward() -> None:
+        eval_loss.measure(trainer.model, [rows], collate, trainer.args.device, trainer.accelerator.autocast)
+
+    memory.free_gpu()
+    torch.cuda.set_per_process_memory_fraction(min(1.0, cap_gib * GIB / total))
+    torch.cuda.reset_peak_memory_stats()
+    pages = memory.page_need()
+    with pages:
+        forward()
+    hi = pages.gib or torch.cuda.max_memory_reserved() / GIB  # no page figure (the record overflowed): what it reserved
+    return capped_need(forward, torch.cuda.max_memory_allocated() / GIB, hi, total, cap_gib)
+
+
+def capped_need(attempt, lo: float, hi: float, total: int, cap_gib: float, tries: int = 6) -> float | None:
+    """The smallest cap (GiB) under which `attempt()` completes, found by bisection between its peak allocated (`lo`,
+    never enough: pages hold more) and its page figure (`hi`, raised until it completes under it). Each try starts
+    from an emptied cache, as a capped run's allocator is after it gave its free pages back; an OOM's frames are
+    dropped before the next. None if it does not complete under `cap_gib`."""
     import traceback
 
     import torch
-
-    trainer.args.max_steps = 1
 
     def completes(cap: float) -> bool:
         memory.free_gpu()
         torch.cuda.set_per_process_memory_fraction(min(1.0, cap * GIB / total))
         try:
-            trainer.train()
+            attempt()
             return True
         except torch.OutOfMemoryError as e:
             traceback.clear_frames(e.__traceback__)
             return False
-        finally:
-            trainer.model.zero_grad(set_to_none=True)
-            if trainer.offload is not None:
-                trainer.offload.reset()
 
     while not completes(hi):
         if hi >= cap_gib:
@@ -392,13 +437,13 @@ def scan_lengths(cfg: RunConfig, tokenizer=None) -> LengthScan:
                       worst_batch_tokens=cfg.training.per_device_train_batch_size * ls[-1], longest=top)
 
 
-def widen_for_eval(cfg: RunConfig, tokenizer, lengths: LengthScan, packed: bool) -> None:
+def widen_for_eval(cfg: RunConfig, rows: list[dict], lengths: LengthScan, packed: bool) -> None:
     """The eval steps' share of the worst step. Eval runs micro-batches shaped like training's, forward
     only: no grads, no saved activations, and the fused loss (no logits) where training has it, so a
     training step of the same width bounds it (eval_loss.measure). Padded, an eval sample longer than
     every training one makes a wider micro-batch than training's own: the worst step is then sized by
-    it. Packed, every eval micro-batch fits the same token budget, which must hold its longest sample."""
-    rows = eval_loss.rows(cfg, tokenizer) if eval_loss.eval_steps(cfg, True) else []
+    it. Packed, every eval micro-batch fits the same token budget, which must hold its longest sample
+    (and the fullest of them may hold more tokens than any training one: eval_worst)."""
     if not rows:
         return
     i = max(range(len(rows)), key=lambda k: len(rows[k]["input_ids"]))
@@ -410,6 +455,16 @@ def widen_for_eval(cfg: RunConfig, tokenizer, lengths: LengthScan, packed: bool)
                           f"({longest} tokens, {rows[i]['id']}); set it to at least {longest}")
     if not packed:
         lengths.max, lengths.longest_id = longest, f"{rows[i]['id']} (eval)"
+
+
+def eval_worst(cfg: RunConfig, rows: list[dict]) -> list[int]:
+    """Packed: the row lengths of the eval micro-batch holding the most tokens ([] without eval rows). Eval packs the
+    held-out rows end to end to the training budget, so one can be fuller than every micro-batch the training plan
+    holds, and the stock loss materialises its logits as training's does: a training step on it bounds its eval."""
+    micro = eval_loss.micro_batches(cfg, rows, True)
+    if not micro:
+        return []
+    return sorted((len(r["input_ids"]) for r in max(micro, key=lambda b: sum(len(r["input_ids"]) for r in b))), reverse=True)
 
 
 MAX_LONGEST = 4096  # lengths kept for building the packed worst micro-batch (a budget of 4096 x 1-token samples)
@@ -512,8 +567,10 @@ def headline(r: PreflightResult, cfg: RunConfig) -> str:
               + (f", CUDA context {CUDA_CONTEXT_GIB} GiB)" if r.device != "cpu" else ")"))
     p = r.probe
     if p and p.ok and r.need_gib:
-        return (f"Preflight: {verdict}, measured: this run needs {r.need_gib:.2f} GiB on this GPU (one optimizer step on the worst "
-                f"micro-batch completed under a {p.step_need_gib:.2f} GiB cap and no lower, x {NEED_SCALE} + {NEED_PLUS_GIB} GiB for "
+        by_eval = (p.eval_need_gib or 0.0) > p.step_need_gib
+        what = "the eval forward of the fullest eval micro-batch" if by_eval else "one optimizer step on the worst micro-batch"
+        return (f"Preflight: {verdict}, measured: this run needs {r.need_gib:.2f} GiB on this GPU ({what} "
+                f"completed under a {max(p.step_need_gib, p.eval_need_gib or 0.0):.2f} GiB cap and no lower, x {NEED_SCALE} + {NEED_PLUS_GIB} GiB for "
                 f"the rest of the run: of 38 benchmark runs, 10 architectures, all completed capped there and 37 needed more than 95% of it; "
                 f"a run's peak repeats exactly from process to process); {budget}. The estimate below, {r.estimate.total_gib:.2f} GiB, is from "
                 f"config.json alone: over the need on all 38, by 1-15% (31% on a 0.4 GiB model).")
@@ -566,7 +623,9 @@ def render(r: PreflightResult, cfg: RunConfig) -> str:
         lines += ["", f"Probe (two real optimizer steps on rows {p.batch}, capped at {p.cap_gib:.2f} GiB): "
                   + (f"peak reserved {p.peak_reserved_gib:.2f} GiB, allocated {p.peak_alloc_gib:.2f} GiB"
                      + (f"; pages touched at most {p.pages_gib:.2f} GiB (model build {p.build_pages_gib or 0:.2f}); one more step completed "
-                        f"under {p.step_need_gib:.2f} GiB and no lower (bisection)" if p.step_need_gib else "") + "." if p.ok
+                        f"under {p.step_need_gib:.2f} GiB and no lower (bisection)" if p.step_need_gib else "")
+                     + (f"; the eval forward of the fullest eval micro-batch ({sum(r.lengths.eval_planned)} tokens) under "
+                        f"{p.eval_need_gib:.2f} GiB" if p.eval_need_gib else "") + "." if p.ok
                      else f"OUT OF MEMORY ({p.error}); post-mortem: {p.postmortem}")]
     if r.notes:
         lines += ["", "Not estimated precisely:", *[f"- {n}" for n in r.notes]]

@@ -158,7 +158,9 @@ def test_preflight_sizes_a_packed_run_by_the_heaviest_micro_batch_its_plan_holds
     from stages.memory_model import Shapes, estimate
     from stages.modelio import load_tokenizer, resolve_model_dir
 
-    cfg = load_config(write_config(tmp_path, training={"packing": "on", "max_tokens_per_batch": 512, "max_steps": 6}))
+    # no eval data: the eval's own micro-batches are the test below
+    cfg = load_config(write_config(tmp_path, training={"packing": "on", "max_tokens_per_batch": 512, "max_steps": 6},
+                                   data={"eval_file": None}, smoke={"check": "stops"}))
     r = preflight.run(cfg, tmp_path / "preflight")
     lengths = data.training_set(cfg, load_tokenizer(cfg.model)).lengths
     steps = packing.plan_steps(lengths, 512, cfg.samples_per_step(), cfg.training.seed, 6)
@@ -227,3 +229,31 @@ def test_packed_and_padded_reach_the_same_loss_after_the_same_samples(tmp_path):
     last = {k: sum(v[-10:]) / 10 for k, v in curves.items()}
     assert curves["off"][0] > 2 * last["off"], curves["off"]  # it learned something
     assert abs(last["on"] - last["off"]) < 0.1 * last["off"], last
+
+
+def test_preflight_sizes_a_packed_run_by_an_eval_micro_batch_fuller_than_any_it_trains(tmp_path):
+    """Eval packs the held-out rows end to end to the training budget; a short run's plan can hold no micro-batch as
+    full (bench/moe_capped: OLMoE and Granite-MoE packed ran out in the eval at step 10, under the figure of a
+    probe sized by the training plan alone). The probe's rows are then the eval micro-batch's, and the report says so."""
+    from stages.modelio import load_tokenizer
+    from stages.train import eval_loss
+
+    cfg = load_config(write_config(tmp_path, training={"packing": "on", "max_tokens_per_batch": 512, "max_steps": 1,
+                                                        "eval_steps": 1, "save_steps": 1}))
+    r = preflight.run(cfg, tmp_path / "preflight")
+    tokenizer = load_tokenizer(cfg.model)
+    trained = preflight.planned_worst(cfg, tokenizer)
+    evaluated = preflight.eval_worst(cfg, eval_loss.rows(cfg, tokenizer))
+    assert sum(evaluated) > sum(trained), "the case under test: an eval micro-batch fuller than the one step trains"
+    # the training rows are still the step's; the eval rows are probed beside them and size the estimate
+    assert sorted(r.lengths.planned) == sorted(trained) and sorted(r.lengths.eval_planned) == sorted(evaluated)
+    assert r.lengths.worst_batch_tokens == sum(evaluated) <= 512
+    assert f"the fullest eval micro-batch holds {sum(evaluated)} tokens, more than the {sum(trained)}" in r.report_md.read_text()
+    # the need is the larger of the step's and the eval's (measured on a GPU)
+    step = preflight.ProbeResult(True, 3.0, 2.5, 10.0, trained, step_need_gib=2.0, eval_need_gib=2.4)
+    assert preflight.PreflightResult.need_of(step) == round(2.4 * preflight.NEED_SCALE + preflight.NEED_PLUS_GIB, 4)
+    # with no eval data only the training plan's own heaviest is probed
+    no_eval = cfg.model_copy(update={"data": cfg.data.model_copy(update={"eval_file": None}),
+                                     "smoke": cfg.smoke.model_copy(update={"check": "stops"})})
+    alone = preflight.run(no_eval, tmp_path / "p2").lengths
+    assert sorted(alone.planned) == sorted(trained) and alone.eval_planned == [] and alone.worst_batch_tokens == sum(trained)

@@ -46,6 +46,68 @@ def chain(obj, depth: int, seen: set) -> list:
     return out
 
 
+def unseen(o) -> int:
+    """References to `o` the collector cannot list (held from C++: an autograd node, a CUDA-side structure; or a
+    running frame's local): its refcount less getrefcount's own argument and every listed referrer."""
+    return sys.getrefcount(o) - 1 - len(gc.get_referrers(o))
+
+
+def roots(target, max_depth: int = 14, limit: int = 12) -> list:
+    """Breadth-first up the referrer graph from `target`: every chain that ends at an object with references the
+    collector cannot see, a module, a class or a frame; each chain described from the target up."""
+    import types
+
+    keep = {id(target): target}
+    parent = {id(target): None}
+    frontier, found, held = [target], [], []
+    skip = {id(keep), id(parent), id(frontier), id(found), id(held)}
+    probe = object()
+    keep[id(probe)] = probe
+    o = probe
+    del probe
+    base = unseen(o)  # a plain object held as the walk holds each one: the loop variable
+    del keep[id(o)], o
+    for _ in range(max_depth):
+        nxt = []
+        skip.add(id(nxt))
+        for o in frontier:
+            refs = [r for r in gc.get_referrers(o) if id(r) not in skip and not (hasattr(r, "f_code") and r.f_code.co_name in ("roots", "main"))]
+            skip.add(id(refs))
+            held.append(refs)  # alive, so that no later object reuses its id
+            hidden = unseen(o) - base  # beyond what the loop's own variables add
+            terminal = isinstance(o, (types.ModuleType, type)) or hasattr(o, "f_code")
+            if (hidden > 0 and o is not target) or terminal or not refs:
+                path, k = [], id(o)
+                while k is not None:
+                    obj = keep[k]
+                    d = describe(obj)
+                    if callable(obj) and hasattr(obj, "__qualname__"):
+                        d += f" {obj.__qualname__}"
+                        code = getattr(obj, "__code__", None)
+                        if code is not None:
+                            d += f" {code.co_filename}:{code.co_firstlineno}"
+                    if type(obj).__name__ == "cell":
+                        fns = [f for f in gc.get_referrers(obj) if isinstance(f, tuple)]
+                        owners = [g for t in fns for g in gc.get_referrers(t) if isinstance(g, types.FunctionType)]
+                        d += " in " + ", ".join(f"{g.__qualname__} {g.__code__.co_filename}:{g.__code__.co_firstlineno}" for g in owners[:3])
+                    path.append(d)
+                    k = parent[k]
+                found.append({"hidden_refs": hidden, "chain_top_down": path})
+                if len(found) >= limit:
+                    return found
+                if terminal:
+                    continue
+            for r in refs:
+                if id(r) not in keep:
+                    keep[id(r)] = r
+                    parent[id(r)] = id(o)
+                    nxt.append(r)
+        frontier = nxt
+        if not frontier:
+            break
+    return found
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", nargs="+", default=["M2"])
@@ -81,6 +143,8 @@ def main() -> None:
         inner = {id(w.base_layer) for w in wrappers}
         outer = [w for w in wrappers if id(w) not in inner]
         row["live_wrappers"] = len(wrappers)
+        if outer:
+            row["roots_of_outer_wrapper"] = roots(outer[0])
         probe_list = [wrappers, outer]
         if outer:
             found = []
@@ -113,6 +177,41 @@ def main() -> None:
                              "owners": owners})
             row["tops"][f"{type(t).__name__}@{id(t)}"] = refs[:12]
         del tops
+        # C-side holders: the saved-tensor hooks left on the autograd stack, and every thread's running frames
+        # (not listed by the collector)
+        from transformers.modeling_layers import GradientCheckpointingLayer
+
+        layers = [o for o in gc.get_objects() if isinstance(o, GradientCheckpointingLayer)]
+        row["live_layers"] = len(layers)
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        row["saved_tensors_hooks_top"] = None if top is None else [repr(h)[:200] for h in top]
+        frames = []
+        for tid, f in sys._current_frames().items():
+            while f is not None:
+                held = [k for k, v in f.f_locals.items() if any(v is x for x in layers[:4])]
+                frames.append(f"thread {tid} {f.f_code.co_name} {f.f_code.co_filename}:{f.f_lineno}" + (f" holds {held}" if held else ""))
+                f = f.f_back
+        row["thread_frames"] = frames[:60]
+        row["threads"] = [repr(t) for t in __import__("threading").enumerate()]
+        if layers:
+            row["layer_unseen"] = unseen(layers[0]) - 2  # less `layers` and the loop's argument
+        del layers
+        # what frees them, tried in turn (each measured after a collection and an emptied cache)
+        row["after_release"] = {}
+        def pop_hooks():
+            while torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
+                torch._C._autograd._pop_saved_tensors_default_hooks()
+
+        releases = {"pop_saved_tensors_hooks": pop_hooks, "dynamo_reset": lambda: torch._dynamo.reset(),
+                    "exc_info": lambda: sys.__dict__.pop("last_value", None) or sys.__dict__.pop("last_traceback", None)}
+        for label, release in releases.items():
+            try:
+                release()
+            except Exception as e:  # noqa: BLE001 - a release that fails is reported, the next one is tried
+                row["after_release"][label] = f"failed: {e}"[:200]
+                continue
+            memory.free_gpu()
+            row["after_release"][label] = round(torch.cuda.memory_allocated() / 2**30, 3)
         result[name] = row
         print(name, json.dumps(row)[:3000], flush=True)
         Path(a.out).write_text(json.dumps(result, indent=1))

@@ -4,9 +4,10 @@ The eval samples (data.eval_file, else data.eval_split of the training data, sta
 are tokenized exactly like the training ones (data.tokenize: same chat template, max_length and
 long_sample_policy) and batched the way training batches them: padded micro-batches of
 per_device_train_batch_size rows (sorted by length, so little padding), or, with packing on, packed
-to the same token budget. Packed, no eval batch holds more tokens than a training one; padded, an
-eval batch is as wide as its longest sample, which the preflight sizes the worst step by when it is
-longer than every training sample (preflight.widen_for_eval). An OOM recovery that halves the
+to the same token budget. Packed, no eval batch holds more tokens than the budget, but it can hold more
+than every micro-batch a short training plan trains (preflight.eval_worst); padded, an eval batch is as
+wide as its longest sample. Either way the preflight sizes the worst step by the eval batch where it is
+the heavier (preflight.widen_for_eval, preflight.eval_worst). An OOM recovery that halves the
 micro-batch halves the eval batches too.
 
 The loss is normalised per loss-carrying token over the whole eval set:

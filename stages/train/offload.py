@@ -36,10 +36,11 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
     """
 
     def __init__(self, model: torch.nn.Module) -> None:
-        self.stream = torch.cuda.Stream()
+        on_gpu = torch.cuda.is_available()  # without one every saved tensor stays where it is
+        self.stream = torch.cuda.Stream() if on_gpu else None
         # The one stream whose blocks this offload releases by hand: every wait goes on it, and a tensor saved under
         # another stream stays on the GPU (releasing it safely would need a wait on that stream).
-        self.compute = torch.cuda.current_stream()
+        self.compute = torch.cuda.current_stream() if on_gpu else None
         self.param_ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
         self.host: list = []      # index -> (cpu tensor, device, copy-done event), until reset()
         self.fetched: dict = {}   # index -> (gpu tensor, event), prefetched in backward
@@ -65,19 +66,23 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
 
     def __del__(self) -> None:
         # Dropped without reset(): blocks the side stream may still read or write are about to be freed.
-        if getattr(self, "pending", None) is not None or getattr(self, "fetched", None):
+        if getattr(self, "stream", None) is not None and (getattr(self, "pending", None) is not None or getattr(self, "fetched", None)):
             try:
                 self.stream.synchronize()
             except Exception:
                 pass
 
     def _pack(self, t: torch.Tensor):
+        # A tensor kept where it is goes back detached: an op that saves its own output (softmax, exp, sigmoid) would
+        # otherwise hold that output, and through its grad_fn itself, from inside the graph, where the collector
+        # cannot see it. A forward that dies before its backward (an OOM, a capped probe) then left its whole graph,
+        # the layers its checkpoints recompute and their weights, allocated for the rest of the process.
         if (not t.is_cuda or t.numel() * t.element_size() < MIN_BYTES
                 or t.untyped_storage().data_ptr() in self.param_ptrs):
-            return t
+            return t.detach()
         compute = torch.cuda.current_stream()
         if compute != self.compute:
-            return t  # another stream's block: released by hand only on the stream the waits go on
+            return t.detach()  # another stream's block: released by hand only on the stream the waits go on
         self.stream.wait_stream(compute)  # t is written by work queued on compute
         with torch.cuda.stream(self.stream):
             cpu = self.pool.take(t.shape, t.dtype)
