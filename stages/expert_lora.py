@@ -96,17 +96,26 @@ def _project(experts: nn.Module, name: str, x: torch.Tensor, offs: torch.Tensor,
     return y
 
 
-def grouped_lora_forward(experts: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                         top_k_weights: torch.Tensor, factors: dict[str, Factors]) -> torch.Tensor:
-    """A transformers experts module's forward (grouped_mm path, no expert parallelism) with LoRA `factors`
-    by parameter name added on the routed tokens only. `experts` is the unwrapped module."""
+def routed(experts: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, factors: dict[str, Factors] | None = None):
+    """The routed slots sorted by expert: (groups, order, offs, x, h): each slot's expert, its position in the
+    flattened top-k, the groups' cumulative ends, its input row and its gated activation (the down projection's
+    input), with LoRA `factors` on the up projection."""
     top_k = top_k_index.shape[-1]
     groups, order = torch.sort(top_k_index.reshape(-1))
     x = hidden_states[order // top_k]
     offs = torch.bincount(groups, minlength=experts.num_experts).cumsum(0).to(torch.int32)
     up = "gate_up_proj" if experts.has_gate else "up_proj"
-    h = _project(experts, up, x, offs, groups, factors)
+    h = _project(experts, up, x, offs, groups, factors or {})
     h = experts._apply_gate(h) if experts.has_gate else experts.act_fn(h)
+    return groups, order, offs, x, h
+
+
+def grouped_lora_forward(experts: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                         top_k_weights: torch.Tensor, factors: dict[str, Factors]) -> torch.Tensor:
+    """A transformers experts module's forward (grouped_mm path, no expert parallelism) with LoRA `factors`
+    by parameter name added on the routed tokens only. `experts` is the unwrapped module."""
+    top_k = top_k_index.shape[-1]
+    groups, order, offs, _, h = routed(experts, hidden_states, top_k_index, factors)
     y = _project(experts, "down_proj", h, offs, groups, factors)
     y = y * top_k_weights.reshape(-1)[order].unsqueeze(-1).to(y.dtype)
     out = torch.empty_like(y).index_copy_(0, order, y)   # back to token-major order

@@ -116,3 +116,40 @@ def test_yaml_off_is_off(tmp_path):
     path.write_text(path.read_text().replace("export:\n", "export:\n  imatrix: off\n", 1))
     assert load_config(path).export.imatrix == "off"
     assert load_config(write_config(tmp_path)).export.imatrix == "auto"
+
+
+def test_a_moe_imatrix_has_a_row_per_expert_from_the_tokens_routed_to_it(tmp_path):
+    """The routed experts, most of a MoE's weights, were outside the matrix (only nn.Linear layers were hooked): llama.cpp
+    quantized every `ffn_*_exps` tensor without it. Now each expert gets the row of its own routed tokens, as
+    llama-imatrix collects them, and the export says which experts no calibration token reached."""
+    from stages.export import stage as export_stage
+    from tests.test_families import _config, tiny_model
+
+    model_dir, asset = tiny_model("qwen3_moe", tmp_path / "model")   # 4 experts, 2 per token, 2 layers
+    cfg = _config(tmp_path, model_dir, asset)
+    cfg = cfg.model_copy(update={"export": cfg.export.model_copy(update={"imatrix": "auto"})})
+    ex = export_stage.run(cfg, model_dir, tmp_path / "export")
+    base = llamacpp.read_gguf(ex.base_gguf)
+    experts = {n: [int(x) for x in s] for n, s in base["tensor_shapes"].items() if "_exps." in n}
+    assert len(experts) == 6, sorted(experts)   # gate, up and down of both layers
+    imat = imatrix.load(tmp_path / "export" / "imatrix.gguf")
+    for name, (width, _, n_experts) in experts.items():
+        assert imat.sums[name].shape == (n_experts, width) and imat.counts[name].shape == (n_experts,)
+        assert imat.counts[name].sum() == 2 * imat.tokens   # every calibration token's 2 routed slots, once
+    # a layer's gate and up projections read the same inputs; the down projection its experts' gated activations
+    assert np.array_equal(imat.sums["blk.0.ffn_gate_exps.weight"], imat.sums["blk.0.ffn_up_exps.weight"])
+    assert imat.sums["blk.0.ffn_down_exps.weight"].shape[1] == 128
+    info = ex.imatrix["experts"]
+    assert info["of"] == 6 * 4 and info["covered"] == sum(int((imat.counts[n] > 0).sum()) for n in experts)
+    assert info["without_data"] == imat.experts_without_data
+    from stages.export import modelcard
+
+    assert f"{info['covered']} of 24 expert matrices got some" in "\n".join(modelcard.imatrix_lines(ex.imatrix))
+    # an expert no token reached weighs its columns evenly
+    missing = imatrix.Imatrix({"e": np.ones((2, 3), np.float32)}, {"e": np.array([5, 0])}, 5, 1, "test")
+    assert missing.experts_without_data == {"e": [1]} and np.allclose(missing.means()["e"], [[0.2] * 3, [1.0] * 3])
+    # llama.cpp found a matrix of the right size for every expert tensor; it names what it found none for (the embedding,
+    # which it never quantizes with one), so its log is the quantization that read the matrix
+    logs = " ".join(p.read_text() for p in (tmp_path / "export").glob("*.quantize.log"))
+    assert "did not find weights for token_embd.weight" in logs
+    assert "did not find weights for blk." not in logs and "is different from tensor size" not in logs

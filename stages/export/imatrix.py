@@ -7,6 +7,11 @@ one the GGUF is converted from) runs over the training samples in the chat templ
 hook on every linear layer. The numbers are the same statistic llama-imatrix collects (sum of x^2 and the token
 count per weight); the held-out texts the fidelity gate measures on are never among them.
 
+Routed experts (transformers' fused 3-D stacks, quantized as llama.cpp's `ffn_{gate,up,down}_exps`) get one row per
+expert, over the tokens the router sends each, as llama-imatrix collects them: the up projections' rows from the
+experts' inputs, the down projection's from their gated activations. An expert no calibration token reached weighs its
+columns evenly (llama-imatrix stores 1 for it too) and is named in `experts_without_data`.
+
 Written as llama.cpp's GGUF imatrix file (`imatrix.gguf`: `<tensor>.in_sum2`, `<tensor>.counts`,
 `imatrix.datasets`, `imatrix.chunk_count`, `imatrix.chunk_size`), which `llama-quantize --imatrix` reads too,
 and handed to `llama_model_quantize` as its `llama_model_imatrix_data` entries (sum / count).
@@ -16,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import random
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from stages import data
+from stages import data, moe
 from stages.errors import UserError
 
 CHUNK = 512  # tokens per calibration chunk, as llama-imatrix's default context
@@ -36,8 +42,8 @@ class ImatrixError(UserError, ValueError):
 
 @dataclass
 class Imatrix:
-    sums: dict[str, np.ndarray]        # GGUF tensor name -> sum of x^2 per input column (float32)
-    counts: dict[str, int]             # GGUF tensor name -> tokens seen
+    sums: dict[str, np.ndarray]        # GGUF tensor name -> sum of x^2 per input column (float32); experts: [E, columns]
+    counts: dict[str, int | np.ndarray]  # GGUF tensor name -> tokens seen; experts: tokens routed to each, [E]
     tokens: int                        # calibration tokens
     chunks: int
     dataset: str                       # where the calibration text came from
@@ -45,7 +51,29 @@ class Imatrix:
     skipped: list[str] = field(default_factory=list)  # linear layers with no tensor of that width in the GGUF
 
     def means(self) -> dict[str, np.ndarray]:
-        return {n: (s / max(self.counts[n], 1)).astype(np.float32) for n, s in self.sums.items()}
+        """Mean x^2 per input column, as llama_model_quantize reads it: experts' rows expert-major, an expert that got
+        no token all ones."""
+        out = {}
+        for n, s in self.sums.items():
+            c = np.asarray(self.counts[n], dtype=np.float64)
+            if s.ndim == 2:
+                m = s / np.maximum(c, 1)[:, None]
+                m[c == 0] = 1.0
+            else:
+                m = s / max(float(c), 1.0)
+            out[n] = m.astype(np.float32)
+        return out
+
+    @property
+    def experts_without_data(self) -> dict[str, list[int]]:
+        """Expert tensors -> the experts no calibration token was routed to."""
+        return {n: np.flatnonzero(np.asarray(c) == 0).tolist() for n, c in sorted(self.counts.items())
+                if np.ndim(c) and not np.all(np.asarray(c) > 0)}
+
+    def experts_covered(self) -> tuple[int, int]:
+        """(experts that got data, experts) over every expert tensor's rows."""
+        rows = [np.asarray(c) for c in self.counts.values() if np.ndim(c)]
+        return sum(int((r > 0).sum()) for r in rows), sum(r.size for r in rows)
 
     def write(self, path: Path) -> Path:
         """llama.cpp's GGUF imatrix file (what llama-imatrix writes and llama-quantize --imatrix reads)."""
@@ -57,8 +85,9 @@ class Imatrix:
         w.add_uint32(gguf.Keys.IMatrix.CHUNK_COUNT, self.chunks)
         w.add_uint32(gguf.Keys.IMatrix.CHUNK_SIZE, CHUNK)
         for name in sorted(self.sums):
-            w.add_tensor(f"{name}.in_sum2", self.sums[name].astype(np.float32).reshape(1, -1))
-            w.add_tensor(f"{name}.counts", np.array([[float(self.counts[name])]], dtype=np.float32))
+            rows = np.asarray(self.counts[name], dtype=np.float32).reshape(-1, 1)   # one count per matrix: [1] or [E]
+            w.add_tensor(f"{name}.in_sum2", self.sums[name].astype(np.float32).reshape(rows.shape[0], -1))
+            w.add_tensor(f"{name}.counts", rows)
         w.write_header_to_file()
         w.write_kv_data_to_file()
         w.write_tensors_to_file()
@@ -67,7 +96,7 @@ class Imatrix:
 
 
 def load(path: Path) -> Imatrix:
-    """An imatrix.gguf (this module's or llama-imatrix's): one matrix per weight (no experts)."""
+    """An imatrix.gguf (this module's or llama-imatrix's): one row per matrix of each weight (an expert tensor's E)."""
     import gguf
 
     path = Path(path)
@@ -83,7 +112,13 @@ def load(path: Path) -> Imatrix:
                            "imatrix.gguf (the legacy .dat format is not read: convert it with llama.cpp's "
                            "convert_legacy_imatrix_to_gguf.py), `auto` or `off`") from None
     sums = {n[:-len(".in_sum2")]: v for n, v in tensors.items() if n.endswith(".in_sum2")}
-    counts = {n: int(tensors[f"{n}.counts"][0]) for n in sums if f"{n}.counts" in tensors}
+    counts: dict[str, int | np.ndarray] = {}
+    for n in [n for n in sums if f"{n}.counts" in tensors]:
+        c = tensors[f"{n}.counts"]
+        if c.size > 1:  # an expert tensor: one row of sums per expert
+            sums[n], counts[n] = sums[n].reshape(c.size, -1), c.astype(np.int64)
+        else:
+            counts[n] = int(c[0])
     if not sums or len(counts) != len(sums):
         kind = reader.fields.get("general.type")
         kind = kind.contents() if kind is not None else None
@@ -92,7 +127,9 @@ def load(path: Path) -> Imatrix:
                            + ("; it is a model" if kind == "model" else "") + "); give an imatrix.gguf (llama-imatrix's, or "
                            "the imatrix.gguf of a bundle of the same base), `auto` or `off`")
     chunks, datasets = reader.fields.get("imatrix.chunk_count"), reader.fields.get("imatrix.datasets")
-    return Imatrix(sums, counts, max(counts.values()), int(chunks.contents()) if chunks is not None else 0,
+    dense = [c for c in counts.values() if not np.ndim(c)]
+    tokens = max(dense) if dense else max(int(np.asarray(c).max()) for c in counts.values())
+    return Imatrix(sums, counts, tokens, int(chunks.contents()) if chunks is not None else 0,
                    f"{path.name} ({', '.join(datasets.contents()) if datasets is not None else 'datasets not named'})")
 
 
@@ -108,7 +145,7 @@ def check_against(imat: Imatrix, widths: dict[str, int], source: Path, model: st
             f"export.imatrix: {source} names none of the tensors of {model} (it has e.g. {', '.join(sorted(imat.sums)[:2])}; the "
             f"model's are e.g. {', '.join(sorted(widths)[:2])}): it was computed on another model; give the imatrix of this "
             "model (the imatrix.gguf of a bundle of the same base), `auto` to compute one from the training data, or `off`")
-    wrong = {n: (imat.sums[n].size, widths[n]) for n in matched if imat.sums[n].size != widths[n]}
+    wrong = {n: (imat.sums[n].shape[-1], widths[n]) for n in matched if imat.sums[n].shape[-1] != widths[n]}
     if wrong:
         n, (have, want) = next(iter(wrong.items()))
         raise ImatrixError(
@@ -174,8 +211,10 @@ def _described(cfg, ids: list[list[int]], total: int) -> str:
     return f"{len(ids)} training samples ({total} tokens) of {', '.join(Path(str(f)).name for f in files if f)}"
 
 
-def compute(model, sequences: list[list[int]], names: dict[str, str], dataset: str, batch_tokens: int = BATCH_TOKENS) -> Imatrix:
-    """Run `model` over `sequences` with a hook on each linear layer named in `names` (module -> GGUF tensor name).
+def compute(model, sequences: list[list[int]], names: dict[str, str], dataset: str, batch_tokens: int = BATCH_TOKENS,
+            experts: dict[str, tuple[list[str], list[str]]] | None = None) -> Imatrix:
+    """Run `model` over `sequences` with a hook on each linear layer named in `names` (module -> GGUF tensor name), and
+    on each experts module in `experts` (module -> the GGUF tensors its up and its down projections feed).
 
     Each sequence is cut into pieces of at most CHUNK tokens; pieces of similar length go through the model together,
     right-padded, and the hooks count only the real tokens: each token's activations are the ones it has alone (it
@@ -195,6 +234,24 @@ def compute(model, sequences: list[list[int]], names: dict[str, str], dataset: s
             counts[gname] = counts.get(gname, 0) + x.shape[0]
         return collect
 
+    def expert_hook(ups: list[str], downs: list[str]):
+        def collect(module, args, kwargs):
+            from stages import expert_lora
+
+            hidden = args[0] if args else kwargs["hidden_states"]
+            index = args[1] if len(args) > 1 else kwargs["top_k_index"]
+            hidden = hidden.detach().reshape(-1, hidden.shape[-1])[real[0]]
+            index = index.reshape(-1, index.shape[-1])[real[0]]
+            groups, _, _, x, h = expert_lora.routed(module, hidden, index)
+            routed = torch.bincount(groups, minlength=module.num_experts)
+            for gnames, rows in ((ups, x), (downs, h)):
+                s = torch.zeros(module.num_experts, rows.shape[-1], dtype=torch.float64, device=rows.device)
+                s.index_add_(0, groups, rows.float().square().double())
+                for gname in gnames:
+                    sums[gname] = sums[gname] + s if gname in sums else s
+                    counts[gname] = counts[gname] + routed if gname in counts else routed
+        return collect
+
     pieces = [ids[start:start + CHUNK] for ids in sequences for start in range(0, len(ids), CHUNK)]
     batches, group = [], []
     for i in sorted(range(len(pieces)), key=lambda i: len(pieces[i])):  # longest last: a batch's width is its last piece's
@@ -207,6 +264,8 @@ def compute(model, sequences: list[list[int]], names: dict[str, str], dataset: s
     modules = dict(model.named_modules())
     for mod_name, gname in names.items():
         handles.append(modules[mod_name].register_forward_pre_hook(hook(gname)))
+    for mod_name, (ups, downs) in (experts or {}).items():
+        handles.append(modules[mod_name].register_forward_pre_hook(expert_hook(ups, downs), with_kwargs=True))
     model.eval()
     try:
         with torch.no_grad():
@@ -220,7 +279,8 @@ def compute(model, sequences: list[list[int]], names: dict[str, str], dataset: s
         for h in handles:
             h.remove()
     tokens = sum(map(len, pieces))
-    return Imatrix({n: s.cpu().numpy().astype(np.float32) for n, s in sums.items()}, counts, tokens, len(pieces), dataset,
+    return Imatrix({n: s.cpu().numpy().astype(np.float32) for n, s in sums.items()},
+                   {n: c.cpu().numpy() if torch.is_tensor(c) else c for n, c in counts.items()}, tokens, len(pieces), dataset,
                    round(time.perf_counter() - t0, 2))
 
 
@@ -250,14 +310,37 @@ def gguf_names(model, base_info: dict) -> tuple[dict[str, str], list[str]]:
     return names, skipped
 
 
+def expert_gguf_names(model, base_info: dict) -> dict[str, tuple[list[str], list[str]]]:
+    """Each experts module of the HF model (transformers' fused stacks, stages.moe) -> the GGUF expert tensors its up
+    projection's inputs feed (`blk.N.ffn_gate_exps`, `ffn_up_exps`, or the fused `ffn_gate_up_exps`) and those its
+    down projection's feed (`blk.N.ffn_down_exps`), N the decoder layer it is in; tensors of another input width are
+    left out."""
+    shapes = base_info.get("tensor_shapes", {})
+    stacks = {s.name: s for s in moe.fused_experts(model).stacks}
+    out = {}
+    for name, module in model.named_modules():
+        layer = re.search(r"\.(\d+)\.", f".{name}.")
+        if layer is None or not moe.computable(module):
+            continue
+        up = stacks.get(f"{name}.{'gate_up_proj' if module.has_gate else 'up_proj'}")
+        down = stacks.get(f"{name}.down_proj")
+        b = layer.group(1)
+        ups = [g for g in (f"blk.{b}.ffn_gate_exps.weight", f"blk.{b}.ffn_up_exps.weight", f"blk.{b}.ffn_gate_up_exps.weight")
+               if up and g in shapes and int(shapes[g][0]) == up.in_features]
+        downs = [g for g in (f"blk.{b}.ffn_down_exps.weight",) if down and g in shapes and int(shapes[g][0]) == down.in_features]
+        if ups or downs:
+            out[name] = (ups, downs)
+    return out
+
+
 def from_run(cfg, tokenizer, model, base_info: dict) -> Imatrix:
     """The importance matrix of `model` (the merged model the GGUF was converted from) on the run's training data."""
     names, skipped = gguf_names(model, base_info)
-    if not names:
+    if not names and not expert_gguf_names(model, base_info):
         raise ImatrixError(f"no linear layer of the merged model maps onto a tensor of the GGUF (architecture "
                            f"{base_info['fields'].get('general.architecture')}); set export.imatrix: off")
     sequences, dataset = calibration_ids(cfg, tokenizer, cfg.export.imatrix_tokens)
-    imat = compute(model, sequences, names, dataset)
+    imat = compute(model, sequences, names, dataset, experts=expert_gguf_names(model, base_info))
     imat.skipped = skipped
     return imat
 

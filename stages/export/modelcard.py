@@ -164,6 +164,13 @@ def imatrix_lines(info: dict | None) -> list[str]:
         p, i = c["plain"], c["imatrix"]
         rows.append(f"| {quant} | {c['kept']} | {p['mean_kl']} | {i['mean_kl']} | {p['top1_agreement']} | {i['top1_agreement']} | "
                     f"{p['size_mib']:.1f} / {i['size_mib']:.1f} |")
+    experts = info.get("experts")
+    if experts:
+        missing = experts["without_data"]
+        rows += ["", f"Routed experts: each expert's rows come from the tokens the router sent it; {experts['covered']} of "
+                 f"{experts['of']} expert matrices got some"
+                 + (". No calibration token reached: " + "; ".join(f"`{n}` experts {', '.join(map(str, e))}" for n, e in missing.items())
+                    + " (weighted evenly, as without a matrix)." if missing else ".")]
     return rows
 
 

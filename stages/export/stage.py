@@ -123,6 +123,7 @@ def run(cfg: RunConfig, merged_dir: Path, out_dir: Path) -> ExportResult:
     imatrix_info = None if imat is None else {
         "file": str(out_dir / IMATRIX_FILE), "tokens": imat.tokens, "chunks": imat.chunks, "dataset": imat.dataset,
         "tensors": len(imat.sums), "not_covered": imat.skipped, "seconds": imat.seconds, "choices": choices,
+        "experts": expert_coverage(imat),
         # the types whose kept file was quantized with it: the bundle ships imatrix.gguf only if there is one
         "used_by": [q for q, c in choices.items() if c["kept"] == "imatrix"]}
     result = ExportResult(base, files, llamacpp.runtime_version(), meter.report, checks=checks, fidelity=drift, seconds=seconds,
@@ -186,9 +187,19 @@ def importance_matrix(cfg: RunConfig, tokenizer, merged_dir: Path, base: Path, o
             memory.free_gpu()
         imat.write(tmp)
     tmp.rename(out_dir / IMATRIX_FILE)
+    experts = expert_coverage(imat)
     print(f"export: importance matrix of {len(imat.sums)} tensors from {imat.dataset} in {imat.seconds:.1f} s -> {IMATRIX_FILE}"
-          + (f" ({len(imat.skipped)} linear layers have no GGUF tensor of their width: {', '.join(imat.skipped[:4])})" if imat.skipped else ""))
+          + (f" ({len(imat.skipped)} linear layers have no GGUF tensor of their width: {', '.join(imat.skipped[:4])})" if imat.skipped else "")
+          + (f"; routed experts: {experts['covered']} of {experts['of']} expert matrices got calibration tokens"
+             + (f", none reached {', '.join(f'{n} {e}' for n, e in list(experts['without_data'].items())[:3])} (weighted evenly)"
+                if experts["without_data"] else "") if experts else ""))
     return imat
+
+
+def expert_coverage(imat: imatrix.Imatrix) -> dict | None:
+    """How many experts' rows of the expert tensors the calibration reached, and which it did not; None without experts."""
+    covered, total = imat.experts_covered()
+    return {"covered": covered, "of": total, "without_data": imat.experts_without_data} if total else None
 
 
 def quantize_one(quant: str, base: Path, out_dir: Path, tokenizer, rows: int | None, checks: dict,
