@@ -27,7 +27,7 @@ from stages.errors import ConfigError, UserError
 
 # Micro-batches of this many tokens or more get the tiled MLP (training.tiled_mlp: auto).
 TILE_FROM_TOKENS = 32768
-# The default packed budget stops here (where data.max_length allows): on R7 QLoRA, steps of 32 samples, 16384- and
+# The default packed budget stops here (where data.max_length allows): on the 7B QLoRA benchmark (R7, docs/benchmarks.md), steps of 32 samples, 16384- and
 # 24576-token micro-batches trained within noise of each other (8,311-8,866 and 8,171-8,768 loss tokens/s over two
 # calls), 32768 (the tiled MLP on) 6,173-6,227 (bench/results/packing/goals/). The smaller of the fast two.
 PACKED_BUDGET_DEFAULT_MAX = 16384
@@ -196,21 +196,20 @@ class TrainingSection(Section):
     optim: Literal["auto", "adamw_torch", "adamw_torch_fused", "paged_adamw_8bit", "adamw_8bit", "sgd"] = Field(
         "auto", description="Optimizer (TrainingArguments.optim). 8-bit states take 2 bytes per adapter parameter instead of 8. "
         "auto: paged_adamw_8bit with fit: memory on a GPU (bitsandbytes installed), adamw_torch_fused with fit: speed, "
-        "adamw_torch on CPU (measured: bench/results/train_r7.json)."
+        "adamw_torch on CPU (docs/training.md)."
     )
     packing: Switch = Field(
         "auto", description="on: micro-batches are samples laid end to end up to max_tokens_per_batch tokens, no padding, "
         "no token attending across samples (position ids restart per sample); the loss is normalised per loss-carrying token "
         "of the optimizer step, as unpacked. off: per_device_train_batch_size samples padded to the longest. auto: on where "
-        "measured faster: CPU (bench/results/packing_cpu.json) and CUDA GPUs with torch's varlen flash kernel (torch >= 2.10, "
-        "Ampere or newer; bench/results/packing/goals/: 3.5-3.6x padded peft + Liger and 2.2x TRL's padding-free packing on a 7B "
-        "QLoRA, at 0.7x TRL's memory); off elsewhere."
+        "measured faster: CPU and CUDA GPUs with torch's varlen flash kernel (torch >= 2.10, Ampere or newer); off elsewhere "
+        "(docs/training.md#packing-long-tailed-data-without-padding)."
     )
     max_tokens_per_batch: int | None = Field(
         None, gt=0, description="Packing: the most tokens in one micro-batch (at least the longest sample). null: "
         "per_device_train_batch_size x data.max_length (the padded run's worst micro-batch, which the preflight fits), "
-        "at most the widest multiple of data.max_length up to 16384 tokens: on R7 QLoRA 16384- and 24576-token micro-batches "
-        "trained within noise of each other and ~1.4x faster than 32768, which switches the tiled MLP on (bench/results/packing/goals/)."
+        "at most the widest multiple of data.max_length up to 16384 tokens, under the width that switches the tiled MLP on "
+        "(docs/training.md)."
     )
     packed_step: Literal["samples", "tokens"] = Field(
         "samples", description="Packed, what one optimizer step trains. samples: what a padded run's step trains, "

@@ -34,7 +34,7 @@ COEF = dict(
     nf4_tiled_h=-1.436, # x T*H*act: QLoRA, tiled: hidden-sized difference to 16-bit LoRA (measured)
     qk_norm=1.0,        # x T*(Q+KV)*act: the query/key norms' tensors (Qwen3, OLMo2; bench/results/capped/)
     fused_mlp=2.0,      # x T*I*act: a fused gate_up_proj's (Phi-3; bench/results/capped/)
-    packed_qkv=1.0,     # x T*(Q+KV)*act: packed, the query/key/value laid out token-major for the varlen kernel (need_run3)
+    packed_qkv=1.0,     # x T*(Q+KV)*act: packed, the query/key/value laid out token-major for the varlen kernel (bench/results/capped/need_run3.json)
     mask=4.519,         # bytes per element of the batch x seq x seq padding mask
     slack_gib=0.06,     # allocator: what a capped run cannot give back (partly used pages, the small-block pool); these three
                         # are what 32 of 32 capped runs completed under (bench/results/capped/validate_run2-3); a lower slack

@@ -23,7 +23,7 @@ if TYPE_CHECKING:  # annotations only: the config imports this module (to check 
 # Read by torch at the first CUDA allocation, so set before any stage touches the GPU.
 # Variable-length batches under the default allocator reserved 97.5 GiB for 30 GiB
 # allocated; expandable segments 34.2 GiB; the often-advised max_split_size_mb:128
-# 139 GiB (../shared/anchors, R7, HF Trainer). A user's own setting wins.
+# 139 GiB (the Qwen2-7B baseline, R7 in docs/benchmarks.md, HF Trainer). A user's own setting wins.
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 

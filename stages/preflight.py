@@ -571,9 +571,8 @@ def headline(r: PreflightResult, cfg: RunConfig) -> str:
         what = "the eval forward of the fullest eval micro-batch" if by_eval else "one optimizer step on the worst micro-batch"
         return (f"Preflight: {verdict}, measured: this run needs {r.need_gib:.2f} GiB on this GPU ({what} "
                 f"completed under a {max(p.step_need_gib, p.eval_need_gib or 0.0):.2f} GiB cap and no lower, x {NEED_SCALE} + {NEED_PLUS_GIB} GiB for "
-                f"the rest of the run: of 38 benchmark runs, 10 architectures, all completed capped there and 37 needed more than 95% of it; "
-                f"a run's peak repeats exactly from process to process); {budget}. The estimate below, {r.estimate.total_gib:.2f} GiB, is from "
-                f"config.json alone: over the need on all 38, by 1-15% (31% on a 0.4 GiB model).")
+                f"the rest of the run); {budget}. The estimate below, {r.estimate.total_gib:.2f} GiB, is from config.json alone, what a card "
+                f"must have where nothing measures (docs/preflight.md: how both were validated).")
     if p and p.ok:
         return (f"Preflight: {verdict}, measured: two real optimizer steps on the worst micro-batch ran under a {p.cap_gib:.2f} GiB cap, "
                 f"peak {p.peak_alloc_gib:.2f} GiB allocated / {p.peak_reserved_gib:.2f} GiB reserved; {budget}. "

@@ -7,7 +7,7 @@ context under 24 GiB. That much pinned host memory is held per micro-batch, up t
 while torch's pinned allocator rounds blocks up to powers of two; train releases it at the end.
 
 `torch.autograd.graph.save_on_cpu` does the same, but its device-to-host copy blocks the
-host at every saved tensor and its host-to-device copy waits in the compute stream; on R7
+host at every saved tensor and its host-to-device copy waits in the compute stream; on R7 (the Qwen2-7B benchmark shape, docs/benchmarks.md)
 it cost (see bench/results/train_r7.json) what this hides: copies run on a side stream,
 overlapping compute, and backward prefetches the next tensor it will need (the saved inputs
 come back in reverse order). Parameters and small tensors stay where they are.

@@ -10,7 +10,7 @@ silently lose memory savings are set explicitly here, not left to defaults:
 - non-reentrant checkpointing with input grads enabled, so a frozen embedding still lets
   gradients reach the first adapted layer.
 - no `prepare_model_for_kbit_training`: it upcasts embeddings, lm_head and norms to fp32
-  (+2 GiB and 3.5x slower steps on a 7B, measured in ../shared/anchors).
+  (+2 GiB and 3.5x slower steps on a 7B, measured on the baseline 7B, docs/benchmarks.md).
 
 Micro-batches are packed to a token budget (`training.packing`, stages/train/packing.py) or padded
 to their longest row (stages/train/batches.py). The pieces: stages/train/model.py builds the model
