@@ -29,9 +29,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.preflight_grid import SHAPES, make_checkpoint  # noqa: E402
-from stages import export, memory  # noqa: E402
+from stages import export, memory, merge, smoke  # noqa: E402  # noqa: E402
 from stages.config import RunConfig  # noqa: E402
-from stages.export import merge, smoke  # noqa: E402
 
 # R7's shapes in the Llama architecture (Qwen2 differs only by q/k/v biases: same matrices,
 # same sizes). The tiny SentencePiece tokenizer inside a qwen2 GGUF gets llama.cpp's

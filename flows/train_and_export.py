@@ -43,9 +43,9 @@ from prefect.runtime import flow_run  # noqa: E402
 
 from flows import reaper  # noqa: E402
 from flows.gpu_slot import gpu_slot  # noqa: E402
-from stages import champion, data, errors, export, handoff, memory, preflight, train  # noqa: E402
+from stages import champion, data, errors, export, handoff, memory, merge, preflight, smoke, train  # noqa: E402
 from stages.config import load_config  # noqa: E402
-from stages.export import llamacpp, merge, smoke  # noqa: E402
+from stages.export import llamacpp  # noqa: E402
 from stages.memory import MemoryReport  # noqa: E402
 from stages.paths import RunPaths, check_run_id, new_run_id  # noqa: E402
 from stages.train import tracking  # noqa: E402

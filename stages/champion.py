@@ -228,7 +228,7 @@ def compare(cfg: RunConfig, challenger: dict, champion: Champion | Absent | None
 
 def _ask_again(cfg: RunConfig, old: dict, bundle: Path) -> dict[str, float]:
     """The champion's GGUFs through the smoke test on today's held-out prompts (llama.cpp, its own process)."""
-    from stages.export import smoke
+    from stages import smoke
 
     prompts = smoke.load_prompts(cfg)
     out = {}

@@ -15,12 +15,11 @@ from stages.architecture import Architecture, Linear, Targets
 from stages.config import RunConfig
 from stages.memory import GIB
 from stages.modelio import compute_dtype
-from stages.train.kernels import fused_loss_for, model_type, resolve_auto
+from stages.train.kernels import OPTIM_BYTES, fused_loss_for, model_type, resolve_auto
 
 KNOWN_MODEL_TYPES = {"llama", "qwen2", "mistral", "qwen3", "phi3", "olmo2"}  # measured (bench/results/capped/)
 ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 NF4_BYTES = {True: 0.5 + 1 / 64 + 4 / (64 * 256), False: 0.5 + 4 / 64}  # 4-bit + absmax (double-quant or fp32)
-OPTIM_BYTES = {"auto": 8, "adamw_torch": 8, "adamw_torch_fused": 8, "paged_adamw_8bit": 2, "adamw_8bit": 2, "sgd": 0}
 CUBLAS_WORKSPACE = 64 * 2**20  # cuBLAS's workspaces in torch's allocator: what stays allocated after a freed model (H200)
 LOSS_H = 3  # hidden-sized tensors around Liger's loss: the final hidden states, their norm, the input gradient it computes in forward
 # Fitted by bench/fit_memory.py to the default-settings grid (bench/results/memory_grid_raw_run*.jsonl).

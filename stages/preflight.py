@@ -31,7 +31,7 @@ from pathlib import Path
 from stages import architecture, checks, data, memory
 from stages.config import ConfigError, RunConfig, load_config
 from stages.errors import UserError
-from stages.memory import GIB, MemoryReport
+from stages.memory import CUDA_CONTEXT_GIB, GIB, MemoryReport
 from stages.memory_model import Estimate, Shapes, estimate, loss_mode
 from stages.modelio import load_tokenizer, resolve_model_dir
 from stages.train import eval_loss, packing
@@ -48,7 +48,6 @@ PROBE_IF_UNDER = 1.1
 # 5% of 9; then checked unchanged on the 28 rows it was not chosen on, 7B-12B and Gemma-2 included: every one
 # completes capped there and runs out at 0.95x it (pages_run5-10*.json; docs/preflight.md).
 NEED_SCALE, NEED_PLUS_GIB = 1.035, 0.005
-CUDA_CONTEXT_GIB = 0.5      # typical CUDA context of a torch process; not in torch's counters (not measured here)
 
 
 class PreflightError(UserError, RuntimeError):
@@ -147,18 +146,7 @@ def run(cfg: RunConfig, out_dir: Path, gpu_memory_gib: float | None = None, *, t
             raise ConfigError(f"training.max_tokens_per_batch is {cfg.token_budget()}, shorter than the longest sample "
                               f"({lengths.max} tokens, {lengths.longest_id}); set it to at least {lengths.max}")
         planned, steps = _plan(cfg, tokenizer, settings["packing"])
-        plan_tokens = None
-        if settings["packing"]:  # the run's own heaviest micro-batch: its plan is fixed by the data, seed, budget and max_steps
-            lengths.planned = planned_worst(cfg, tokenizer, planned)
-            fullest_eval = eval_worst(cfg, eval_rows)
-            if sum(fullest_eval) > sum(lengths.planned):  # its forward is probed too; the estimate takes the heavier
-                lengths.eval_planned = fullest_eval
-                held_notes.append(f"the fullest eval micro-batch holds {sum(fullest_eval)} tokens, more than the "
-                                  f"{sum(lengths.planned)} of the heaviest the training plan holds: the probe measures its eval too")
-            lengths.worst_batch_tokens = max(sum(lengths.planned), sum(fullest_eval))
-
-            def plan_tokens(changed: RunConfig) -> int:  # the same for a changed config (budget, processes), same data
-                return max(sum(planned_worst(changed, tokenizer)), sum(eval_worst(changed, eval_rows)))
+        plan_tokens = packed_worst(cfg, tokenizer, planned, eval_rows, lengths, held_notes) if settings["packing"] else None
         est = estimate(cfg, shapes, lengths.max, on_gpu=on_gpu, packed_tokens=lengths.worst_batch_tokens if lengths.planned else None)
         weights = next(v for k, v in est.items_gib.items() if k.startswith("base weights"))
         if weights > usable:
@@ -355,6 +343,21 @@ def capped_need(attempt, lo: float, hi: float, total: int, cap_gib: float, tries
     return hi
 
 
+def packed_worst(cfg: RunConfig, tokenizer, planned, eval_rows: list[dict], lengths: LengthScan, notes: list[str]):
+    """Packed, the micro-batches the probe and the estimate size: the run's own heaviest (its plan is fixed by the
+    data, seed, budget and max_steps) into `lengths.planned`, the fullest eval one where it holds more tokens into
+    `lengths.eval_planned` (with a note), the heavier's tokens into `lengths.worst_batch_tokens`. Returns the same
+    count for a changed config (budget, processes), same data, for the suggestions."""
+    lengths.planned = planned_worst(cfg, tokenizer, planned)
+    fullest_eval = eval_worst(cfg, eval_rows)
+    if sum(fullest_eval) > sum(lengths.planned):
+        lengths.eval_planned = fullest_eval
+        notes.append(f"the fullest eval micro-batch holds {sum(fullest_eval)} tokens, more than the "
+                     f"{sum(lengths.planned)} of the heaviest the training plan holds: the probe measures its eval too")
+    lengths.worst_batch_tokens = max(sum(lengths.planned), sum(fullest_eval))
+    return lambda changed: max(sum(planned_worst(changed, tokenizer)), sum(eval_worst(changed, eval_rows)))
+
+
 def planned_worst(cfg: RunConfig, tokenizer, planned=None) -> list[int]:
     """Row lengths of the heaviest packed micro-batch the run will train (stages.train.batches.heaviest); `planned`:
     the run's plan where `_plan` made it already."""
@@ -378,7 +381,7 @@ def _plan(cfg: RunConfig, tokenizer, packed: bool):
 def check_held_out(cfg: RunConfig, tokenizer) -> list[str]:
     """The held-out file parses, renders with the chat template, its prompts fit the smoke test's context, and it is
     not the training data; returns a note when a few held-out samples are also training samples."""
-    from stages.export import smoke
+    from stages import smoke
 
     samples = data.held_out(cfg, max(cfg.smoke.max_prompts, cfg.export.fidelity.samples, cfg.merge.samples))
     data.tokenize(samples, tokenizer, 1 << 30, "error")

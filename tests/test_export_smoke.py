@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from stages import export, memory
+from stages import export, memory, smoke
 from stages.config import load_config
-from stages.export import fidelity, llamacpp, smoke, vocab
+from stages.export import fidelity, llamacpp, vocab
 from stages.export.llamacpp_process import LlamaCrashed, LlamaProcess
 from stages.modelio import load_tokenizer
 from tests.conftest import REPO, write_config

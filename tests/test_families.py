@@ -15,9 +15,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from stages import preflight
+from stages import merge, preflight, smoke
 from stages.config import load_config
-from stages.export import merge, smoke
 from stages.export import stage as export_stage
 from stages.export.vocab import TokenizerMismatch
 from stages.train import stage as train_stage

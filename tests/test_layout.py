@@ -131,3 +131,61 @@ def test_a_stage_package_loads_its_stage_only_when_asked():
     assert p.returncode == 0, p.stderr[-3000:]
     p = _python("-c", "from stages import export, train; print(train.run.__module__, export.run.__module__, train.TrainOOMError.__name__)")
     assert p.returncode == 0 and p.stdout.split() == ["stages.train.stage", "stages.export.stage", "TrainOOMError"], p.stderr[-3000:]
+
+
+# The floors of stages/, lowest first. The ground (the schema, paths, errors, memory measurement, data, the base model
+# and its experts) serves every stage; the stages' pieces (train/, export/, merge, smoke) build on it; the modules that
+# check or decide across stages (the preflight and its estimate and checks, the hand-off and its champion comparison)
+# sit on top. An import points down or sideways, never up.
+TOP = {"stages.preflight", "stages.checks", "stages.memory_model", "stages.handoff", "stages.champion"}
+
+
+def floor(module: str) -> int:
+    if module in TOP:
+        return 2
+    if module.startswith(("stages.train", "stages.export")) or module in ("stages.merge", "stages.smoke"):
+        return 1
+    return 0
+
+
+def test_no_import_points_up_a_floor():
+    up = [f"{m} -> {d}" for m, deps in import_graph().items() for d in sorted(deps) if floor(d) > floor(m)]
+    assert not up, "imports up a floor: " + "; ".join(up)
+    assert floor("stages.config") == 0 and floor("stages.train.stage") == 1 and floor("stages.preflight") == 2
+
+
+def test_nothing_in_stages_imports_prefect_or_the_flows():
+    for path in sorted(STAGES.rglob("*.py")):
+        names = {a.name.split(".")[0] for node in _imports(ast.parse(path.read_text())) for a in node.names} | {
+            (node.module or "").split(".")[0] for node in _imports(ast.parse(path.read_text())) if isinstance(node, ast.ImportFrom)}
+        assert not names & {"prefect", "flows"}, f"{path.relative_to(REPO)} imports {sorted(names & {'prefect', 'flows'})}"
+
+
+def function_lengths() -> dict[str, int]:
+    """Every function and method in stages/ -> its length in lines, by `<file>:<name>`."""
+    out = {}
+    for path in sorted(STAGES.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                out[f"{path.relative_to(REPO)}:{node.name}"] = node.end_lineno - node.lineno + 1
+    return out
+
+
+# Not yet split (issue 35): each may shrink, none may grow; every other function stays within LONGEST.
+LONGEST = 80
+NOT_YET_SPLIT = {"stages/train/stage.py:run": 158, "stages/train/hf_trainer.py:make_trainer": 151,
+                 "stages/memory_model.py:estimate": 147}
+
+
+def test_no_function_in_stages_is_longer_than_a_screenful():
+    lengths = function_lengths()
+    long = {n: n_lines for n, n_lines in lengths.items() if n_lines > NOT_YET_SPLIT.get(n, LONGEST)}
+    assert not long, f"longer than {LONGEST} lines (or than it was): {long}"
+    assert all(lengths.get(n, 0) > LONGEST for n in NOT_YET_SPLIT), "split: remove it from NOT_YET_SPLIT"
+
+
+def test_the_flow_runs_the_six_stages_in_order():
+    src = (REPO / "flows" / "train_and_export.py").read_text()
+    flow = next(n for n in ast.walk(ast.parse(src)) if isinstance(n, ast.FunctionDef) and n.name == "train_and_export")
+    tasks = sorted((n.lineno, n.col_offset, n.id) for n in ast.walk(flow) if isinstance(n, ast.Name) and n.id.endswith("_task"))
+    assert [t[2] for t in tasks] == ["preflight_task", "train_task", "merge_task", "export_task", "smoke_task", "handoff_task"]

@@ -13,10 +13,9 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from stages import architecture
+from stages import architecture, merge
 from stages.config import load_config
 from stages.errors import ConfigError
-from stages.export import merge
 from stages.train import stage as train_stage
 from tests.conftest import REPO, write_config
 

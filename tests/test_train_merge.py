@@ -8,9 +8,8 @@ import pytest
 import torch
 from peft import PeftModel
 
-from stages import train
+from stages import merge, train
 from stages.config import load_config
-from stages.export import merge
 from stages.modelio import load_base, load_tokenizer
 from stages.train import model as lora_model
 from tests.conftest import write_config

@@ -1,13 +1,13 @@
-"""The export side: merge (merge.py), GGUF conversion (convert.py) and quantization with its checks
-(stage.py, quant_types.py, fidelity.py), the smoke test (smoke.py), llama.cpp (llamacpp.py, and
-llamacpp_process.py, its torch-free child process) and the model card (modelcard.py).
+"""The export stage: GGUF conversion (convert.py) and quantization with its checks (stage.py, quant_types.py,
+fidelity.py, imatrix.py), llama.cpp (llamacpp.py, and llamacpp_process.py, its torch-free child process), the
+served endpoint (serving.py) and the model card (modelcard.py). Merge and smoke are stages of their own
+(stages/merge.py, stages/smoke.py) that use these pieces.
 
     from stages import export
     result = export.run(cfg, merged_dir, out_dir)   # python -m stages.export --config ...
 
 The export stage's API is stage.py's, loaded on first use: `python -m stages.export.llamacpp_process`
 imports this package and must not import torch (llama.cpp's CUDA build crashes in a process that has).
-Merge and smoke keep their CLIs: python -m stages.merge, python -m stages.smoke.
 """
 
 from __future__ import annotations

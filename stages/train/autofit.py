@@ -64,7 +64,8 @@ def choose(cfg: RunConfig, model, worst_batch: dict, trainable_params: int, opti
 
 
 def _choose_speed(cfg: RunConfig, model, worst_batch: dict, trainable_params: int, optim: str, choice: FitChoice, total: int) -> FitChoice:
-    from stages.preflight import CUDA_CONTEXT_GIB, OPTIM_BYTES
+    from stages.memory import CUDA_CONTEXT_GIB
+    from stages.train.kernels import OPTIM_BYTES
     from stages.train.model import checkpoint_only
 
     budget = cfg.preflight.gpu_memory_gib or torch.cuda.get_device_properties(device()).total_memory / GIB

@@ -88,6 +88,10 @@ def offload_embeddings(cfg: RunConfig) -> bool:
     return _resolved(cfg, "offload_embeddings")
 
 
+# Optimizer state per trainable parameter, by optimizer: AdamW keeps two fp32 moments, the 8-bit ones two bytes.
+OPTIM_BYTES = {"auto": 8, "adamw_torch": 8, "adamw_torch_fused": 8, "paged_adamw_8bit": 2, "adamw_8bit": 2, "sgd": 0}
+
+
 def optimizer(cfg: RunConfig) -> str:
     return _resolved(cfg, "optim")
 
