@@ -22,7 +22,8 @@ from pathlib import Path
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m flows.train_and_export", description="Run the train-and-export pipeline once, locally: preflight, train, merge, export, smoke, "
+    ap = argparse.ArgumentParser(prog="python -m flows.train_and_export",
+                                 description="Run the train-and-export pipeline once, locally: preflight, train, merge, export, smoke, "
                                              "hand-off. Without PREFECT_API_URL a temporary local Prefect API runs beside it.")
     ap.add_argument("--config", default="configs/default.yaml", help="the run config (YAML, one schema: docs/config.md; default: %(default)s)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -176,55 +177,85 @@ def train_and_export(config: str = "configs/default.yaml", overrides: list[str] 
     paths = RunPaths.for_run(cfg, run_id)
     fingerprint = data_fingerprint(cfg)
     print(f"run {paths.run_id}: {paths.root}  data {fingerprint[:12]}")
-
     with paths.lock():  # a second process with this run id is refused, not let into the same directory
-        # 1. Will the worst micro-batch fit? Stops the run before any training if not.
-        pre = fresh(preflight_task, paths.stage("preflight"))(cfg, paths.stage("preflight"))
-        create_markdown_artifact(pre.report_md.read_text(), key="preflight-report", description="Preflight memory estimate")
-        # 2. LoRA / QLoRA adapter, resumable from checkpoints.
-        tr = fresh(train_task, paths.stage("train"))(cfg, paths.stage("train"))
-        publish_memory_timeline(paths.stage("train") / "memory_steps.jsonl", tr.memory_png)
-        publish_eval_curve(tr)
-        # 3. Adapter merged into the 16-bit base.
-        mg = fresh(merge_task, paths.stage("merge"))(cfg, tr.adapter_dir, paths.stage("merge"))
-        # 4. GGUF f16 -> Q4_K_M, Q5_K_S, each verified.
-        ex = fresh(export_task, paths.stage("export"))(cfg, mg.merged_dir, paths.stage("export"))
-        quants = [(f.quant, f.path) for f in ex.files]
-        drift = [memory.jsonable(f) for f in ex.fidelity]
-        create_table_artifact(drift, key="fidelity", description="Each GGUF vs the merged model on held-out texts (mean KL, top-1)")
-        # 5. Every GGUF under llama.cpp, within the serving card's budget.
-        sm = fresh(smoke_task, paths.stage("smoke"))(cfg, quants, paths.stage("smoke"))
-        create_table_artifact(
-            [{"quant": f.quant, "accuracy": f.accuracy, "passed": f.passed, "prompts": f.n_prompts, "gen_tok_s": f.gen_tokens_per_s,
-              "n_gpu_layers": f.plan.n_gpu_layers} for f in sm.files], key="smoke-results", description="llama.cpp smoke test per GGUF")
-        tracking.log_export(cfg, paths.stage("train"), drift, {f.quant: {"accuracy": f.accuracy} for f in sm.files})
-        # 6. Atomic publish of the bundle.
-        reports = {"preflight": pre.memory, "train": tr.memory, "merge": mg.memory, "export": ex.memory, "smoke": sm.memory}
-        ho = handoff_task(
-            cfg, paths.run_id, quants, paths.stage("handoff"),
-            adapter_dir=tr.adapter_dir, data_fingerprint=fingerprint,
-            smoke={f.quant: {"accuracy": f.accuracy, "passed": f.passed, "n_prompts": f.n_prompts, "gen_tokens_per_s": f.gen_tokens_per_s,
-                             "n_gpu_layers": f.plan.n_gpu_layers,
-                             "served": {k: v for k, v in (f.served or {}).items() if k != "examples"} or None} for f in sm.files},
-            memory=reports, fidelity=drift, merge={"base": mg.base, "save_dtype": mg.save_dtype, "kl": mg.kl},
-            extra_files=[Path(ex.imatrix["file"])] if ex.imatrix and ex.imatrix.get("used_by") else [],
-            extra={"prefect_flow_run_id": str(flow_run.id) if flow_run.id else None, "imatrix": ex.imatrix and {**ex.imatrix, "file": Path(ex.imatrix["file"]).name},
-                   "train": {"steps": tr.steps, "first_loss": tr.first_loss, "final_loss": tr.final_loss, "fit": tr.fit,
-                             "best_eval_loss": tr.best_eval_loss}},
-        )
-        reports["handoff"] = ho.memory
-        create_markdown_artifact(ho.comparison, key="champion-challenger",
-                                 description=f"{paths.run_id} against the bundle `latest` pointed at")
-        summary = summarize(paths, reports, ho, tr, sm)
-        (paths.root / "summary.md").write_text(summary + "\n")  # kept with the run: the temporary API's artifact is gone after it
-        create_markdown_artifact(summary, key="run-summary", description=f"train-and-export run {paths.run_id}")
-        print(summary)
-        if not ho.promoted:  # a failed flow run is what the deployment's automation alerts on
-            raise champion.Regression(f"this run is worse than the bundle `latest` points at: {ho.comparison.splitlines()[0]} "
-                                      f"Candidate: {ho.bundle_dir}; to serve it anyway, point latest at it "
-                                      f"(ln -sfn {ho.bundle_dir.name} {ho.bundle_dir.parent}/latest) or set handoff.promotion.compare: false")
-        return {"run_id": paths.run_id, "run_dir": str(paths.root), "bundle": str(ho.bundle_dir),
-                "final_loss": tr.final_loss, "smoke": {f.quant: f.accuracy for f in sm.files}}
+        pre = run_stage(preflight_task, paths, "preflight", cfg)  # stops the run before any training if it does not fit
+        tr = run_stage(train_task, paths, "train", cfg)  # resumable from its checkpoints
+        mg = run_stage(merge_task, paths, "merge", cfg, tr.adapter_dir)  # into the 16-bit base, checked against the adapter
+        ex = run_stage(export_task, paths, "export", cfg, mg.merged_dir)  # f16 GGUF -> Q4_K_M, Q5_K_S, each verified
+        sm = run_stage(smoke_task, paths, "smoke", cfg, quants(ex))  # every GGUF under llama.cpp, on the serving card's budget
+        tracking.log_export(cfg, paths.stage("train"), drift(ex), smoke_accuracy(sm))
+        ho = handoff_task(cfg, paths.run_id, quants(ex), paths.stage("handoff"), **handoff_inputs(fingerprint, pre, tr, mg, ex, sm))
+        return finish(paths, ho, pre, tr, mg, ex, sm)
+
+
+def run_stage(stage_task, paths: RunPaths, name: str, cfg, *inputs):
+    """One stage in its directory of the run (its cached result reused while its files are there), and what it shows
+    in the Prefect UI beyond its memory table."""
+    out = paths.stage(name)
+    result = fresh(stage_task, out)(cfg, *inputs, out)
+    if name == "preflight":
+        create_markdown_artifact(result.report_md.read_text(), key="preflight-report", description="Preflight memory estimate")
+    elif name == "train":
+        publish_memory_timeline(out / "memory_steps.jsonl", result.memory_png)
+        publish_eval_curve(result)
+    elif name == "export":
+        create_table_artifact(drift(result), key="fidelity", description="Each GGUF vs the merged model on held-out texts (mean KL, top-1)")
+    elif name == "smoke":
+        create_table_artifact([{"quant": f.quant, "accuracy": f.accuracy, "passed": f.passed, "prompts": f.n_prompts,
+                                "gen_tok_s": f.gen_tokens_per_s, "n_gpu_layers": f.plan.n_gpu_layers} for f in result.files],
+                              key="smoke-results", description="llama.cpp smoke test per GGUF")
+    return result
+
+
+def quants(ex) -> list[tuple[str, Path]]:
+    """The export's GGUFs as (type, path), what smoke and the hand-off take."""
+    return [(f.quant, f.path) for f in ex.files]
+
+
+def drift(ex) -> list[dict]:
+    """Each GGUF's fidelity to the merged model, the unquantized one first."""
+    return [memory.jsonable(f) for f in ex.fidelity]
+
+
+def smoke_accuracy(sm) -> dict:
+    return {f.quant: {"accuracy": f.accuracy} for f in sm.files}
+
+
+def stage_memory(pre, tr, mg, ex, sm) -> dict:
+    return {"preflight": pre.memory, "train": tr.memory, "merge": mg.memory, "export": ex.memory, "smoke": sm.memory}
+
+
+def handoff_inputs(fingerprint: str, pre, tr, mg, ex, sm) -> dict:
+    """What the hand-off records from the stages before it: the adapter, each GGUF's smoke and fidelity figures, every
+    stage's memory, the merge, the importance matrix (shipped only where a kept file used it) and the training figures."""
+    served = {f.quant: {"accuracy": f.accuracy, "passed": f.passed, "n_prompts": f.n_prompts, "gen_tokens_per_s": f.gen_tokens_per_s,
+                        "n_gpu_layers": f.plan.n_gpu_layers,
+                        "served": {k: v for k, v in (f.served or {}).items() if k != "examples"} or None} for f in sm.files}
+    imat = ex.imatrix
+    return dict(
+        adapter_dir=tr.adapter_dir, data_fingerprint=fingerprint, smoke=served, memory=stage_memory(pre, tr, mg, ex, sm),
+        fidelity=drift(ex), merge={"base": mg.base, "save_dtype": mg.save_dtype, "kl": mg.kl},
+        extra_files=[Path(imat["file"])] if imat and imat.get("used_by") else [],
+        extra={"prefect_flow_run_id": str(flow_run.id) if flow_run.id else None, "imatrix": imat and {**imat, "file": Path(imat["file"]).name},
+               "train": {"steps": tr.steps, "first_loss": tr.first_loss, "final_loss": tr.final_loss, "fit": tr.fit,
+                         "best_eval_loss": tr.best_eval_loss}})
+
+
+def finish(paths: RunPaths, ho, pre, tr, mg, ex, sm) -> dict:
+    """The run's comparison with the bundle `latest` pointed at and its summary, as artifacts and beside the run; a
+    failed flow run when the retrain was worse (what the deployment's automation alerts on); else what the run made."""
+    reports = stage_memory(pre, tr, mg, ex, sm) | {"handoff": ho.memory}
+    create_markdown_artifact(ho.comparison, key="champion-challenger", description=f"{paths.run_id} against the bundle `latest` pointed at")
+    summary = summarize(paths, reports, ho, tr, sm)
+    (paths.root / "summary.md").write_text(summary + "\n")  # kept with the run: the temporary API's artifact is gone after it
+    create_markdown_artifact(summary, key="run-summary", description=f"train-and-export run {paths.run_id}")
+    print(summary)
+    if not ho.promoted:
+        raise champion.Regression(f"this run is worse than the bundle `latest` points at: {ho.comparison.splitlines()[0]} "
+                                  f"Candidate: {ho.bundle_dir}; to serve it anyway, point latest at it "
+                                  f"(ln -sfn {ho.bundle_dir.name} {ho.bundle_dir.parent}/latest) or set handoff.promotion.compare: false")
+    return {"run_id": paths.run_id, "run_dir": str(paths.root), "bundle": str(ho.bundle_dir),
+            "final_loss": tr.final_loss, "smoke": {f.quant: f.accuracy for f in sm.files}}
 
 
 def summarize(paths: RunPaths, reports: dict, ho, tr, sm) -> str:

@@ -189,3 +189,6 @@ def test_the_flow_runs_the_six_stages_in_order():
     flow = next(n for n in ast.walk(ast.parse(src)) if isinstance(n, ast.FunctionDef) and n.name == "train_and_export")
     tasks = sorted((n.lineno, n.col_offset, n.id) for n in ast.walk(flow) if isinstance(n, ast.Name) and n.id.endswith("_task"))
     assert [t[2] for t in tasks] == ["preflight_task", "train_task", "merge_task", "export_task", "smoke_task", "handoff_task"]
+    body = flow.end_lineno - flow.body[0].lineno + 1   # from its docstring to its last line
+    assert body <= 25, f"the flow body is {body} lines: its plumbing belongs in the helpers beside it"
+    assert not [n for n in ast.walk(flow) if isinstance(n, (ast.ListComp, ast.DictComp, ast.SetComp, ast.GeneratorExp))]
