@@ -44,7 +44,7 @@ from prefect.runtime import flow_run  # noqa: E402
 
 from flows import reaper  # noqa: E402
 from flows.gpu_slot import gpu_slot  # noqa: E402
-from stages import champion, data, errors, export, handoff, memory, merge, preflight, smoke, train  # noqa: E402
+from stages import champion, data, errors, export, handoff, memory, merge, preflight, result_files, smoke, train  # noqa: E402
 from stages.config import load_config  # noqa: E402
 from stages.export import llamacpp  # noqa: E402
 from stages.memory import MemoryReport  # noqa: E402
@@ -139,23 +139,11 @@ def stage(name: str, fn, *, gpu: bool):
                 retries=2, retry_delay_seconds=30, retry_condition_fn=retry_transient)(body)
 
 
-# What a completed stage leaves in its directory. Prefect's cached result of a stage is used only while
-# these are all there: after `rm -rf artifacts/` the same run id runs the stage again instead of
-# handing the next one paths that no longer exist.
-OUTPUTS = {"preflight": ["preflight.json", "preflight.md"], "train": ["train_result.json", "adapter/adapter_config.json"],
-           "merge": ["merge_result.json", "model/config.json"], "export": ["export_result.json"], "smoke": ["smoke_result.json"]}
-
-
-def outputs_present(stage_dir: Path) -> bool:
-    files = [stage_dir / f for f in OUTPUTS[stage_dir.name]]
-    if stage_dir.name == "export" and files[0].is_file():  # and every GGUF it lists
-        files += [Path(f["path"]) for f in json.loads(files[0].read_text()).get("files", [])]
-    return all(f.exists() for f in files)
-
-
 def fresh(stage_task, stage_dir: Path):
-    """`stage_task`, with its cached result refreshed unless the stage's files are all still there."""
-    return stage_task.with_options(refresh_cache=not outputs_present(stage_dir))
+    """`stage_task`, with its cached result refreshed unless the stage's files are all still there (stages.result_files):
+    after `rm -rf artifacts/` the same run id runs the stage again instead of handing the next one paths that no
+    longer exist."""
+    return stage_task.with_options(refresh_cache=not result_files.done(stage_dir, stage_dir.name))
 
 
 preflight_task = stage("preflight", preflight.run, gpu=True)

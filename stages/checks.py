@@ -35,7 +35,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from stages import champion, data, errors
+from stages import champion, data, errors, result_files
 from stages.config import RunConfig
 from stages.errors import DiskFull, MissingPackage, RunError, UserError
 from stages.export import convert as gguf_convert
@@ -285,10 +285,10 @@ def planned_outputs(cfg: RunConfig, run_dir: Path) -> list[Output]:
     tokenizer = sum((model_dir / f).stat().st_size for f in TOKENIZER_FILES if (model_dir / f).is_file())
     artifacts, handoff = Path(cfg.artifacts_dir), Path(cfg.handoff.dir)
     outs = []
-    if not (run_dir / "merge" / "merge_result.json").is_file():
+    if not result_files.done(run_dir / "merge", "merge"):
         outs.append(Output("merged model", artifacts, _merged_bytes(model_dir, tensors) + tokenizer))
     quants = [Output(f"{q} GGUF", artifacts, gguf_bytes(tensors, q) + tokenizer) for q in cfg.export.quant_types]
-    if not (run_dir / "export" / "export_result.json").is_file():
+    if not result_files.done(run_dir / "export", "export"):
         outs.append(Output(f"{cfg.export.outtype} GGUF", artifacts, gguf_bytes(tensors, cfg.export.outtype) + tokenizer))
         outs += quants
     outs += [Output(f"bundle copy of the {o.what}", handoff, o.bytes) for o in quants]

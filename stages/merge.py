@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from peft import PeftModel
 
-from stages import errors, expert_lora, expert_nf4, memory, moe
+from stages import errors, expert_lora, expert_nf4, memory, moe, result_files
 from stages.config import RunConfig, load_config
 from stages.errors import MissingInput
 from stages.export import fidelity
@@ -59,10 +59,9 @@ def run(cfg: RunConfig, adapter_dir: Path, out_dir: Path) -> MergeResult:
     """
     out_dir, adapter_dir = Path(out_dir), Path(adapter_dir)
     merged_dir = out_dir / "model"
-    done = out_dir / "merge_result.json"
-    if done.is_file() and (merged_dir / "config.json").is_file():
+    if result_files.done(out_dir, "merge"):
         print(f"merge: already merged in {merged_dir}; skipping")
-        d = json.loads(done.read_text())
+        d = result_files.load(out_dir, "merge")
         return MergeResult(merged_dir, d["save_dtype"], d["max_abs_logit_diff"], None, skipped=True, base=d.get("base", "16bit"),
                            kl=d.get("kl", {}))
     if not (adapter_dir / "adapter_config.json").is_file():
@@ -109,7 +108,7 @@ def run(cfg: RunConfig, adapter_dir: Path, out_dir: Path) -> MergeResult:
     if (base_dir / "generation_config.json").is_file():
         shutil.copy2(base_dir / "generation_config.json", merged_dir / "generation_config.json")
     result = MergeResult(merged_dir, str(save_dtype).removeprefix("torch."), diff, meter.report, base=choice, kl=kl)
-    done.write_text(json.dumps({"save_dtype": result.save_dtype, "max_abs_logit_diff": diff, "base": choice, "kl": kl}, indent=2))
+    result_files.save(out_dir, "merge", {"save_dtype": result.save_dtype, "max_abs_logit_diff": diff, "base": choice, "kl": kl})
     return result
 
 

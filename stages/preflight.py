@@ -28,7 +28,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from stages import architecture, checks, data, memory
+from stages import architecture, checks, data, memory, result_files
 from stages.config import ConfigError, RunConfig, load_config
 from stages.errors import UserError
 from stages.memory import CUDA_CONTEXT_GIB, GIB, MemoryReport
@@ -174,7 +174,7 @@ def run(cfg: RunConfig, out_dir: Path, gpu_memory_gib: float | None = None, *, t
                              out_dir / "preflight.md", meter.report, probe=result_probe, notes=shapes.unknown, data_notes=held_notes,
                              adapted=targets.summary(cfg.lora.r), target_notes=targets.notes + lora_notes, steps=steps)
     result.report_md.write_text(render(result, cfg))
-    (out_dir / "preflight.json").write_text(json.dumps(memory.jsonable(result), indent=2, default=str))
+    result_files.save(out_dir, "preflight", result)
     print(result.report_md.read_text())
     if not fits:
         best = smallest_fix(suggestions)

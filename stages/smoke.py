@@ -20,13 +20,12 @@ so nothing is handed off.
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from stages import data, memory
+from stages import data, memory, result_files
 from stages.config import RunConfig, SmokeSection, load_config
 from stages.errors import MissingInput, UserError
 from stages.export import llamacpp, serving
@@ -107,9 +106,9 @@ def run(cfg: RunConfig, gguf_files: list[tuple[str, Path]], out_dir: Path) -> Sm
     failed = [r for r in results if min(r.accuracy, (r.served or {}).get("accuracy", 1.0)) < cfg.smoke.min_accuracy]
 
     result = SmokeResult(results, meter.report, passed=not failed)
-    (out_dir / "smoke_result.json").write_text(json.dumps(memory.jsonable(result), indent=2))
+    saved = result_files.save(out_dir, "smoke", result)
     if failed:
-        raise SmokeError("; ".join(_failure(r, cfg.smoke.min_accuracy) for r in failed) + f"; details in {out_dir / 'smoke_result.json'}")
+        raise SmokeError("; ".join(_failure(r, cfg.smoke.min_accuracy) for r in failed) + f"; details in {saved}")
     return result
 
 

@@ -314,10 +314,13 @@ def test_outputs_of_finished_stages_are_not_counted_again(tmp_path):
     cfg = load_config(write_config(tmp_path))
     run = tmp_path / "run"
     before = {o.what for o in checks.planned_outputs(cfg, run)}
-    (run / "merge").mkdir(parents=True)
+    (run / "merge" / "model").mkdir(parents=True)
     (run / "merge" / "merge_result.json").write_text("{}")
     (run / "export").mkdir()
     (run / "export" / "export_result.json").write_text("{}")
+    # a merge result whose model is gone: the merge runs again, and writes it again
+    assert "merged model" in {o.what for o in checks.planned_outputs(cfg, run)}
+    (run / "merge" / "model" / "config.json").write_text("{}")
     after = {o.what for o in checks.planned_outputs(cfg, run)}
     assert before - after == {"merged model", "f16 GGUF", "Q4_K_M GGUF", "Q5_K_S GGUF"}
     assert after == {"bundle copy of the Q4_K_M GGUF", "bundle copy of the Q5_K_S GGUF"}

@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from stages import data, errors, memory
+from stages import data, errors, memory, result_files
 from stages.config import QUANT_FTYPES, RunConfig, load_config
 from stages.errors import MissingInput
 from stages.export import convert, fidelity, imatrix, llamacpp, quant_types, vocab
@@ -71,10 +71,9 @@ class ExportResult:
 def run(cfg: RunConfig, merged_dir: Path, out_dir: Path) -> ExportResult:
     """Convert <merged_dir> to GGUF and quantize to every `export.quant_types` in <out_dir>."""
     out_dir, merged_dir = Path(out_dir), Path(merged_dir)
-    done = out_dir / "export_result.json"
-    if done.is_file():
+    if result_files.done(out_dir, "export"):
         print(f"export: GGUF files already in {out_dir}; skipping")
-        return _load(done)
+        return _load(result_files.load(out_dir, "export"))
     if not (merged_dir / "config.json").is_file():
         raise MissingInput(f"{merged_dir.resolve()} is not a model directory; point --merged at the merge stage's `model` directory")
     converter = llamacpp.converter_dir()
@@ -128,7 +127,7 @@ def run(cfg: RunConfig, merged_dir: Path, out_dir: Path) -> ExportResult:
         "used_by": [q for q, c in choices.items() if c["kept"] == "imatrix"]}
     result = ExportResult(base, files, llamacpp.runtime_version(), meter.report, checks=checks, fidelity=drift, seconds=seconds,
                           imatrix=imatrix_info)
-    done.write_text(json.dumps(memory.jsonable(result), indent=2))
+    result_files.save(out_dir, "export", result)
     return result
 
 
@@ -282,8 +281,7 @@ def quant_summary(f: GgufFile, log: Path) -> str:
     return f"export: {f.path.name} {f.size_mib:.1f} MiB: {types}; {fell}; per-tensor log {log.name}"
 
 
-def _load(path: Path) -> ExportResult:
-    d = json.loads(path.read_text())
+def _load(d: dict) -> ExportResult:
     files = [GgufFile(**(f | {"path": Path(f["path"])})) for f in d["files"]]
     return ExportResult(Path(d["base_gguf"]), files, d["llama_cpp_version"], None, skipped=True, checks=d.get("checks", {}),
                         fidelity=[fidelity.Fidelity(**x) for x in d.get("fidelity", [])], seconds=d.get("seconds", {}),

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from stages import result_files
 from stages.config import ConfigError, RunConfig
 
 LAUNCHED = "TAE_LAUNCHED"  # set in the processes `accelerate launch` starts for this stage
@@ -54,7 +55,7 @@ def launch(cfg: RunConfig, out_dir: Path) -> None:
     finally:
         if installed:
             signal.signal(signal.SIGTERM, previous)
-    if rc != 0 or (t.machine_rank == 0 and not (out_dir / "train_result.json").is_file()):
+    if rc != 0 or (t.machine_rank == 0 and not result_files.path(out_dir, "train").is_file()):
         raise RuntimeError(f"accelerate launch of stages.train exited with {rc}; its output is above")
 
 

@@ -41,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-from stages import data, memory
+from stages import data, memory, result_files
 from stages.config import RunConfig, load_config
 from stages.errors import UserError
 from stages.memory import MemoryReport
@@ -96,17 +96,16 @@ def run(cfg: RunConfig, out_dir: Path, *, inject_oom_at: int | None = None) -> T
             (first attempt only).
     """
     out_dir = Path(out_dir)
-    done = out_dir / "train_result.json"
-    if done.is_file() and (out_dir / "adapter" / "adapter_config.json").is_file():
+    if result_files.done(out_dir, "train"):
         print(f"train: adapter already trained in {out_dir / 'adapter'}; skipping")
-        return _load_result(done)
+        return _load_result(result_files.load(out_dir, "train"))
     if cfg.training.launcher == "accelerate" and not os.environ.get(launch.LAUNCHED):
         with memory.track("train", out_dir / "launcher") as meter:
             launch.launch(cfg, out_dir)
         if cfg.training.machine_rank > 0:
             print(f"train: machine {cfg.training.machine_rank} of {cfg.training.num_machines} done; machine 0 writes the adapter")
             return None
-        result = _load_result(done)
+        result = _load_result(result_files.load(out_dir, "train"))
         result.memory, result.skipped = result.memory or meter.report, False
         return result
 
@@ -236,7 +235,7 @@ def run(cfg: RunConfig, out_dir: Path, *, inject_oom_at: int | None = None) -> T
             batches=asdict(plan),
             **evals,
         )
-        done.write_text(json.dumps(memory.jsonable(result), indent=2))
+        done = result_files.save(out_dir, "train", result)
         tracker.finish(result.steps, [result.loss_png, result.memory_png, out_dir / "eval_loss.jsonl", done],
                        {k: getattr(result, k) for k in ("final_loss", "tokens_per_s", "best_step", "best_eval_loss", "stopped_early", "adapter_step")})
     return result
@@ -349,8 +348,7 @@ def _budget_gib(cfg: RunConfig) -> float | None:
     return torch.cuda.get_device_properties(0).total_memory / memory.GIB if torch.cuda.is_available() else None
 
 
-def _load_result(path: Path) -> TrainResult:
-    d = json.loads(path.read_text())
+def _load_result(d: dict) -> TrainResult:
     mem = d.pop("memory")
     mem.pop("peak_gib", None)
     return TrainResult(
