@@ -173,7 +173,7 @@ def function_lengths() -> dict[str, int]:
 
 # Not yet split (issue 35): each may shrink, none may grow; every other function stays within LONGEST.
 LONGEST = 80
-NOT_YET_SPLIT = {"stages/train/stage.py:run": 158, "stages/train/hf_trainer.py:make_trainer": 151,
+NOT_YET_SPLIT = {"stages/train/stage.py:run": 134, "stages/train/hf_trainer.py:make_trainer": 151,
                  "stages/memory_model.py:estimate": 147}
 
 

@@ -166,33 +166,10 @@ def run(cfg: RunConfig, out_dir: Path, *, inject_oom_at: int | None = None) -> T
                 if not freed["previous_attempt_freed"]:
                     print(f"train: WARNING: the failed attempt is still reachable ({_holders(failed)}); the rebuild may run out too")
                 report |= freed
-                t = attempt_cfg.training
-                if t.fit == "speed":
-                    # the measured fit was too tight: checkpoint every layer before touching the batch
-                    attempt_cfg = attempt_cfg.model_copy(update={"training": t.model_copy(update={"fit": "memory"})})
-                    recoveries.append({"step": report["step"], "postmortem": report["path"], "fit": "memory"} | freed)
-                    print(f"train: CUDA OOM at step {report['step']} with fit: speed; post-mortem {report['path']}; resuming with fit: memory")
-                    continue
-                smaller = halve_micro_batch(attempt_cfg, packed, longest)
-                if len(recoveries) >= t.oom_retries or smaller is None:
-                    what = f"{plan.tokens_per_micro_batch}-token packed micro-batches" if packed else f"micro-batch {t.per_device_train_batch_size}"
-                    why = ("no smaller micro-batch is possible" if smaller is None else
-                           f"training.oom_retries is {t.oom_retries}" if not recoveries else f"{t.oom_retries} retries used")
-                    raise TrainOOMError(
-                        f"CUDA out of memory at step {report['step']} with {what} (rows {report['batch']['ids'][:4]}); {why}. "
-                        f"Post-mortem: {report['path']}. Run the preflight with this budget to get a change that fits."
-                    )
-                attempt_cfg = smaller
-                t = attempt_cfg.training
-                recoveries.append({"step": report["step"], "postmortem": report["path"],
-                                   "resumed_from": str(last_checkpoint(out_dir / "checkpoints")),
-                                   "per_device_train_batch_size": t.per_device_train_batch_size,
-                                   "gradient_accumulation_steps": t.gradient_accumulation_steps}
-                                  | ({"max_tokens_per_batch": t.max_tokens_per_batch} if packed else {}) | freed)
-                print(f"train: CUDA OOM at step {report['step']}{' during eval' if report['phase'] == 'eval' else ''}; post-mortem "
-                      f"{report['path']}; {freed.get('alloc_gib', 0):.2f} GiB still allocated after freeing the attempt; resuming with "
-                      + (f"{t.max_tokens_per_batch}-token micro-batches" if packed else f"micro-batch {t.per_device_train_batch_size}")
-                      + f" x accumulation {t.gradient_accumulation_steps}")
+                attempt_cfg, recovery = next_attempt(attempt_cfg, report, len(recoveries), packed, longest, plan,
+                                                     last_checkpoint(out_dir / "checkpoints"), freed)
+                recoveries.append(recovery)
+                print(describe_recovery(report, recovery))
             wall = time.perf_counter() - t0
             # FSDP: every process hands in its shards of the adapter (with training.load_best, of the best
             # checkpoint, which the Trainer has loaded back by now); process 0 writes it, whole, once
@@ -289,6 +266,49 @@ def choose_fit(cfg: RunConfig, model, train_rows, collator, out_dir: Path, lengt
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "fit.json").write_text(json.dumps(memory.jsonable(fit), indent=2))
     return fit
+
+
+def next_attempt(cfg: RunConfig, report: dict, retried: int, packed: bool, longest: int, plan, resume_from: Path | None,
+                 freed: dict) -> tuple[RunConfig, dict]:
+    """The OOM policy: from a failed attempt's post-mortem (`report`: its step, phase, batch and file), the config the
+    next attempt trains with and the record of this recovery (with `freed`, what freeing the attempt left).
+
+    fit: speed measured too tight a fit: the next attempt checkpoints every layer (fit: memory) at the same micro-batch.
+    Otherwise the micro-batch halves (halve_micro_batch: the same samples per step), resuming from `resume_from`, at
+    most training.oom_retries times (`retried` so far).
+
+    Raises:
+        TrainOOMError: no retry is left, or no smaller micro-batch is possible; it names the batch and the post-mortem.
+    """
+    t = cfg.training
+    if t.fit == "speed":
+        return (cfg.model_copy(update={"training": t.model_copy(update={"fit": "memory"})}),
+                {"step": report["step"], "postmortem": report["path"], "fit": "memory"} | freed)
+    smaller = halve_micro_batch(cfg, packed, longest)
+    if retried >= t.oom_retries or smaller is None:
+        what = f"{plan.tokens_per_micro_batch}-token packed micro-batches" if packed else f"micro-batch {t.per_device_train_batch_size}"
+        why = ("no smaller micro-batch is possible" if smaller is None else
+               f"training.oom_retries is {t.oom_retries}" if not retried else f"{t.oom_retries} retries used")
+        raise TrainOOMError(
+            f"CUDA out of memory at step {report['step']} with {what} (rows {report['batch']['ids'][:4]}); {why}. "
+            f"Post-mortem: {report['path']}. Run the preflight with this budget to get a change that fits."
+        )
+    s = smaller.training
+    return smaller, ({"step": report["step"], "postmortem": report["path"], "resumed_from": str(resume_from),
+                      "per_device_train_batch_size": s.per_device_train_batch_size,
+                      "gradient_accumulation_steps": s.gradient_accumulation_steps}
+                     | ({"max_tokens_per_batch": s.max_tokens_per_batch} if packed else {}) | freed)
+
+
+def describe_recovery(report: dict, recovery: dict) -> str:
+    """The log line of one OOM recovery."""
+    if recovery.get("fit") == "memory":
+        return f"train: CUDA OOM at step {report['step']} with fit: speed; post-mortem {report['path']}; resuming with fit: memory"
+    batch = (f"{recovery['max_tokens_per_batch']}-token micro-batches" if "max_tokens_per_batch" in recovery
+             else f"micro-batch {recovery['per_device_train_batch_size']}")
+    return (f"train: CUDA OOM at step {report['step']}{' during eval' if report['phase'] == 'eval' else ''}; post-mortem "
+            f"{report['path']}; {recovery.get('alloc_gib', 0):.2f} GiB still allocated after freeing the attempt; resuming with "
+            f"{batch} x accumulation {recovery['gradient_accumulation_steps']}")
 
 
 def halve_micro_batch(cfg: RunConfig, packed: bool, longest: int) -> RunConfig | None:
