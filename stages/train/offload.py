@@ -16,7 +16,7 @@ A saved tensor's GPU block is released at a fixed point of the program, not when
 offload keeps it until the next tensor is packed (or backward starts), makes the compute stream wait for its copy
 there, then drops it. `record_stream` would free it at once but let the allocator reuse the block only once the
 copy had finished, so where later blocks went, and how much memory a step needed, followed the GPU's timing
-(docs/preflight.md, "The need is one number again"; bench/offload_determinism.py).
+(docs/evidence/2026-12-03-the-gpu-need.md, "The need is one number again"; bench/offload_determinism.py).
 """
 
 from __future__ import annotations
