@@ -17,7 +17,6 @@ checkpoint written to disk through stages.modelio.load_base (QLoRA), to measure 
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import sys
@@ -32,7 +31,7 @@ from stages import architecture, expert_lora, expert_nf4, moe  # noqa: E402
 
 
 def _moe_speed():
-    """bench/moe_speed/run.py: the shapes, the model build and the FLOPs count this compares on."""
+    """bench/moe_speed/run.py: the shapes, the model build, the step, the FLOPs count and the options this compares on."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("moe_speed_run", Path(__file__).resolve().parents[1] / "moe_speed" / "run.py")
@@ -42,7 +41,7 @@ def _moe_speed():
 
 
 _speed = _moe_speed()
-H200_BF16_FLOPS, SHAPES, active_params, build = _speed.H200_BF16_FLOPS, _speed.SHAPES, _speed.active_params, _speed.build
+H200_BF16_FLOPS, SHAPES, active_params, build, step = _speed.H200_BF16_FLOPS, _speed.SHAPES, _speed.active_params, _speed.build, _speed.step
 
 GIB = 2**30
 
@@ -100,15 +99,6 @@ def adapt(model, r: int):
         model = get_peft_model(model, LoraConfig(r=r, lora_alpha=2 * r, lora_dropout=0.0, task_type="CAUSAL_LM",
                                                  target_modules=targets.modules, target_parameters=targets.parameters))
     return model, targets
-
-
-def step(model, opt, batch) -> float:
-    with torch.autocast("cuda", dtype=torch.bfloat16):
-        loss = model(input_ids=batch, labels=batch).loss
-    loss.backward()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    return float(loss)
 
 
 def timed(model, params, batches, warmup: int, steps: int, optim: str) -> dict:
@@ -220,14 +210,7 @@ def load_peak(args) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--shapes", nargs="+", default=["qwen3-30b-a3b"])
-    ap.add_argument("--r", type=int, default=16)
-    ap.add_argument("--batch", type=int, default=2)
-    ap.add_argument("--seq", type=int, default=2048)
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=5)
+    ap = _speed.timing_arguments(["qwen3-30b-a3b"], steps=5)
     ap.add_argument("--load-layers", type=int, default=8)
     ap.add_argument("--work", default="/tmp/moe-qlora")
     args = ap.parse_args()

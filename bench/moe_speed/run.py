@@ -171,15 +171,21 @@ def run_shape(name: str, shape: dict, args) -> dict:
     return row
 
 
-def main() -> None:
+def timing_arguments(shapes: list[str], steps: int) -> argparse.ArgumentParser:
+    """The options every MoE timing bench takes (this one and bench/moe_qlora): output, shapes, rank, tokens, steps."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
-    ap.add_argument("--shapes", nargs="+", default=list(SHAPES))
+    ap.add_argument("--shapes", nargs="+", default=shapes)
     ap.add_argument("--r", type=int, default=16)
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--steps", type=int, default=steps)
+    return ap
+
+
+def main() -> None:
+    ap = timing_arguments(list(SHAPES), steps=6)
     ap.add_argument("--attention-only", action="store_true", help="also time attention-only LoRA (experts frozen)")
     args = ap.parse_args()
     import peft
