@@ -336,11 +336,12 @@ def expert_gguf_names(model, base_info: dict) -> dict[str, tuple[list[str], list
 def from_run(cfg, tokenizer, model, base_info: dict) -> Imatrix:
     """The importance matrix of `model` (the merged model the GGUF was converted from) on the run's training data."""
     names, skipped = gguf_names(model, base_info)
-    if not names and not expert_gguf_names(model, base_info):
+    experts = expert_gguf_names(model, base_info)
+    if not names and not experts:
         raise ImatrixError(f"no linear layer of the merged model maps onto a tensor of the GGUF (architecture "
                            f"{base_info['fields'].get('general.architecture')}); set export.imatrix: off")
     sequences, dataset = calibration_ids(cfg, tokenizer, cfg.export.imatrix_tokens)
-    imat = compute(model, sequences, names, dataset, experts=expert_gguf_names(model, base_info))
+    imat = compute(model, sequences, names, dataset, experts=experts)
     imat.skipped = skipped
     return imat
 
