@@ -252,7 +252,30 @@ LINE_SUFFIXES = (".jsonl", ".ndjson", ".jsonl.gz", ".ndjson.gz", ".json.gz")
 
 
 def read_source(path: str | Path, split: str = "train") -> list[Sample]:
-    """All samples of one source: a file, a folder of files, a saved dataset, or a hub id in the local cache."""
+    """All samples of one source: a file, a folder of files, a saved dataset, or a hub id in the local cache.
+
+    Read once per process while its files stay as they are: the stages of one flow run (preflight, train, merge,
+    export, smoke, the champion comparison) each ask for the held-out or training samples, and parsing the whole
+    dataset again for each would cost as much as the first read. Samples are frozen; each caller gets its own list."""
+    key = (str(path), split, _signature(Path(path)))
+    if key not in _READ:
+        if len(_READ) >= _READ_KEEP:
+            _READ.pop(next(iter(_READ)))
+        _READ[key] = tuple(_read_source(path, split))
+    return list(_READ[key])
+
+
+_READ: dict[tuple, tuple[Sample, ...]] = {}
+_READ_KEEP = 8   # sources kept parsed: a run reads its train, eval and mixed sources
+
+
+def _signature(p: Path) -> tuple:
+    """What changes when a source's bytes do: each file's name, size and modification time (a hub id's cached files)."""
+    files = sorted(f for f in p.rglob("*") if f.is_file()) if p.is_dir() else [p] if p.is_file() else _hub_cache_files(str(p))
+    return tuple((str(f), st.st_size, st.st_mtime_ns) for f in files for st in [f.stat()])
+
+
+def _read_source(path: str | Path, split: str) -> list[Sample]:
     p = Path(path)
     if p.is_dir():
         if any((p / f).is_file() for f in ("dataset_info.json", "state.json", "dataset_dict.json")):
@@ -261,7 +284,7 @@ def read_source(path: str | Path, split: str = "train") -> list[Sample]:
         if not files:
             raise DataError(f"{p} is a folder with no data files; put .jsonl, .json, .parquet, .csv or .arrow files in it "
                             "(or point at a dataset saved with datasets' save_to_disk)")
-        return [x for f in files for x in read_source(f)]
+        return [x for f in files for x in _read_source(f, split)]
     if p.is_file():
         kind = _kind(p)
         if kind == "jsonl" or kind is None:  # unknown suffix: JSON Lines, as this project always read

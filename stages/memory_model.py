@@ -174,118 +174,245 @@ def estimate(cfg: RunConfig, s: Shapes, longest: int, on_gpu: bool, coef: dict |
     Coefficients (COEF) are fitted to the measured grid (bench/fit_memory.py), one per
     mechanism, not per shape.
     """
-    k = COEF | (coef or {})
-    t, lo, q = cfg.training, cfg.lora, cfg.quantization
-    gpu = resolve_auto(cfg, on_gpu=on_gpu, longest=longest)  # the settings as the train stage resolves them there
-    act = compute_dtype(cfg.model.torch_dtype, cuda=on_gpu).itemsize
-    # packed: the run's heaviest planned micro-batch where the caller knows it (the preflight), else the widest the data can make
-    b, seq = (1, packed_tokens or gpu["widest_micro_batch"]) if gpu["packing"] else (t.per_device_train_batch_size, longest)
-    tokens = b * seq
-    lin = s.linears()
-    h, i, kv = s.hidden, s.intermediate, s.kv_heads * s.head_dim
-    layers = max(1, s.layers)
-    linear_params = sum(m.numel for m in lin.values())
-    table = s.vocab * s.hidden
-    host_embeddings = gpu["offload_embeddings"] and not s.tied  # a table tied to lm_head stays on the GPU
-    stacks = s.stacks()
-    stack_params = sum(st.numel for st in stacks)
-    other_params = (0 if host_embeddings else table) + (0 if s.tied else table) + s.other_params() - stack_params
-    n = t.shards  # distributed: fsdp shards what follows over n processes; 1 otherwise
-    # NF4 with FSDP: the packed 4-bit data is sharded, its quantisation constants (absmax) stay whole on every process
-    nf4_local = 0.5 / n + NF4_BYTES[q.bnb_4bit_use_double_quant] - 0.5
-    linear_bytes = linear_params * (nf4_local if q.load_in_4bit else act / n)
-    # QLoRA stores the routed experts in NF4 too (stages.expert_nf4), except sharded: FSDP keeps them 16-bit
-    nf4_stacks = q.load_in_4bit and t.distributed != "fsdp"
-    weights = linear_bytes + stack_params * (NF4_BYTES[q.bnb_4bit_use_double_quant] if nf4_stacks else act / n) \
-        + other_params * act / n
-
-    targets = s.targets(lo.target_modules)
-    matrices = [n for m in targets.linears for a, o in m.shapes for n in (lo.r * a, lo.r * o)]  # every lora_A, lora_B
-    matrices += [n for st in targets.stacks for n in st.lora_matrices(lo.r)]
-    lora_params = sum(matrices)
-    states = sum(_state_bytes(gpu["optim"], n, on_gpu) for n in matrices)
-    adapters = (lora_params * 8 + states) / n  # peft keeps adapters in fp32 (autocast_adapter_dtype): weight 4 + grad 4
+    step = _step(cfg, s, longest, on_gpu, COEF | (coef or {}), packed_tokens)
+    weights = _base_weights(step)
+    adapters = _adapters_and_optimizer_states(step)
     workspace = CUBLAS_WORKSPACE if on_gpu else 0
-
-    # a copy + mask of each adapted module's input, one layer's worth
-    dropout = tokens * sum(a for m in targets.linears for a, _ in m.shapes) / layers * (act + 1) \
-        if lo.lora_dropout > 0 and not targets.stacks else 0  # peft has no dropout on experts: none anywhere then
-    tiled = gpu["tiled_mlp"]
-    # normalised queries and keys (Qwen3, OLMo2): the norms' inputs and outputs, query- and key-sized
-    qk_norm = k["qk_norm"] * tokens * act * (s.heads * s.head_dim + kv) if s.arch is not None and s.arch.qk_norm else 0.0
-    # a fused gate_up_proj (Phi-3) makes one tokens x 2I output and its grad, split into strided halves the kernel copies
-    qk_norm += k["fused_mlp"] * tokens * act * i if "gate_up_proj" in lin and not tiled else 0.0
-    # A MoE layer's routed tensors are [S, .] for S = tokens x top-k slots, whichever experts the router picks: a
-    # trained router's imbalance moves rows between experts, not the total (the grouped path, stages.expert_lora)
-    expert_i = max((st.in_features for st in stacks if st.leaf == "down_proj"), default=0)
-    routed = tokens * s.top_k * act * (k["routed_i"] * expert_i + k["routed_h"] * h) if stacks else 0.0
-    if t.gradient_checkpointing:
-        kept = (2 if gpu["offload_activations"] else s.layers) * tokens * h * act
-        nf4 = q.load_in_4bit
-        if tiled:  # Liger's TiledMLP: shards of ceil(seq / hidden) per row, recomputed one at a time in backward
-            shard = b * math.ceil(seq / math.ceil(seq / h))
-            layer = (tokens * act * (k["layer_h"] * h + k["layer_kv"] * kv + (k["tiled_h"] + nf4 * k["nf4_tiled_h"]) * h)
-                     + k["tile_i"] * shard * i * act)
-        else:
-            layer = tokens * act * (k["layer_h"] * h + k["layer_kv"] * kv + (k["layer_i"] + nf4 * k["nf4_i"]) * i)
-        layer += dropout + qk_norm + routed
-        if gpu["packing"] and gpu["packed_attention"] == "varlen":
-            layer += k["packed_qkv"] * tokens * act * (s.heads * s.head_dim + kv)
-        if nf4:  # bitsandbytes dequantizes the weight to compute the input gradient (a whole stack for NF4 experts)
-            layer += max([a * o for m in lin.values() for a, o in m.shapes]
-                         + [st.numel for st in stacks if nf4_stacks]) * act
-    else:
-        kept = s.layers * (tokens * act * (k["layer_h"] * h + k["layer_kv"] * kv + k["layer_i"] * i) + dropout + routed)
-        layer = 0.0
-    chunked = loss_mode(cfg, on_gpu) == "chunked"
-    if chunked:  # Liger: chunks of next_pow2(tokens / ceil(vocab / hidden)) rows of logits, computed and consumed in turn
-        chunk = 1 << max(0, math.ceil(math.log2(math.ceil(tokens / math.ceil(s.vocab / h)))))
-        loss = LOSS_H * tokens * h * act + 2 * min(chunk, tokens) * s.vocab * act
-    else:
-        loss = LOSS_H * tokens * h * act + k["logits"] * tokens * s.vocab
-    # a padded micro-batch's padding mask; a packed one's block-diagonal mask (with `mask` attention)
-    mask = k["mask"] * b * seq * seq if b > 1 or gpu["packed_attention"] == "mask" else 0.0
-    if cfg.model.attn_implementation == "eager":  # the seq x seq scores, per head, saved per layer
-        mask += b * s.heads * seq * seq * act * (2 if t.gradient_checkpointing else 2 * s.layers)
-    gathered_layer = gathered_tail = prefetched = 0.0
-    fsdp = t.distributed == "fsdp"
-    if fsdp:  # FSDP2 all-gathers a layer's weights while it computes and prefetches the next unit's
-        # (NF4 stored in the compute dtype: 0.5 byte per weight; LoRA and norms gathered in the compute dtype)
-        gathered_layer = linear_params / layers * (0.5 if q.load_in_4bit else act) + (2 * s.hidden + sum(matrices) / layers) * act
-        gathered_tail = table * act + s.hidden * act  # [final norm, lm_head] stay whole from the forward's end into backward
-        # the last unit back-propagated, the input table (untied), is prefetched during the first layer's backward
-        prefetched = max(gathered_layer, 0.0 if s.tied else table * act)
-    # chunked: the lm_head stays gathered through the backward (sharding.gather_lm_head_for_fused_loss)
-    layer_total = layer + gathered_layer + prefetched + (gathered_tail if chunked else 0.0)
-    loss_total = loss + gathered_tail + gathered_layer
-    phase, peak = ("loss", loss_total) if loss_total >= layer_total else ("layer recompute + backward", layer_total)
-    # With expandable segments the allocator unmaps free pages inside its segment and maps them where a request
-    # needs them once the process reaches its cap: the 4-21% more an uncapped run reserves is given back, and a
-    # run capped a few % above its peak allocated completes (bench/results/cap_check.json). What stays is slack.
-    # What a run capped at its peak allocated still lacks: the pages its live blocks leave partly used, more for
-    # NF4's many small quantization-state blocks (bench/results/capped/: 0.04-0.29 GiB, 1.03-1.07x the allocation).
-    allocated = weights + adapters + workspace + kept + peak + mask
-    overhead = (k["slack_gib"] * GIB + k["slack"] * allocated + (k["slack_nf4_gib"] * GIB if q.load_in_4bit else 0.0)
-                + (0.0 if chunked else k["frag_logits"] * tokens * s.vocab)) if on_gpu else 0.0
-    paged = sum(_state_bytes(gpu["optim"], n, on_gpu, paged=True) for n in matrices)
-    shard = f", this process's 1/{n} shard" if fsdp else ""
+    kept = _kept_for_backward(step)
+    phase, peak = _peak_moment(step)
+    mask = _mask_and_attention_scores(step)
+    overhead = _allocator_slack(step, weights + adapters + workspace + kept + peak + mask)
     items = {
-        "base weights" + (" (NF4" + (", experts NF4" if stacks and nf4_stacks else ", experts 16-bit" if stacks else "")
-                          + " + 16-bit embeddings)" if q.load_in_4bit else "") + shard
-        + (", input embedding in host memory" if host_embeddings else ""): weights,
-        f"LoRA weights+grads+{gpu['optim']} states ({lora_params / 1e6:.1f} M params{shard})"
-        + (f"; {paged / GIB:.2f} GiB more states paged outside torch" if paged else ""): adapters,
+        _weights_label(step): weights,
+        _adapters_label(step): adapters,
         "cuBLAS workspaces": workspace,
-        "activations kept for backward" + (" (layer inputs, checkpointed" + (", offloaded to host)" if gpu["offload_activations"] else ")")
-                                           if t.gradient_checkpointing else " (all layers)"): kept,
-        f"peak moment: {phase}" + (" (chunked cross-entropy)" if chunked and phase == "loss" else "")
-        + (" (tiled MLP)" if tiled and phase != "loss" else "")
-        + (" + the layers (and lm_head) FSDP has gathered for it" if fsdp else ""): peak,
+        _kept_label(step): kept,
+        _peak_label(step, phase): peak,
         "padding mask / attention scores": mask,
         "allocator overhead (reserved - allocated)": overhead,
     }
     gib = {key: round(v / GIB, 4) for key, v in items.items()}
     return Estimate(gib, round(sum(items.values()) / GIB, 4), items)
+
+
+@dataclass(frozen=True)
+class _Step:
+    """One optimizer step as the estimate counts it: the config, the model's shapes, the settings the train
+    stage resolves on this machine and the heaviest micro-batch (b rows of seq tokens)."""
+
+    cfg: RunConfig
+    s: Shapes
+    k: dict                 # COEF with the caller's candidates (bench/fit_memory.py)
+    gpu: dict               # kernels.resolve_auto's settings
+    on_gpu: bool
+    act: int                # bytes per element of the compute dtype
+    b: int
+    seq: int
+    targets: Targets
+    matrices: list[int]     # the numel of every lora_A and lora_B
+    chunked: bool           # Liger's chunked cross-entropy, not the whole logits
+
+    @property
+    def tokens(self) -> int:
+        return self.b * self.seq
+
+    @property
+    def kv(self) -> int:
+        return self.s.kv_heads * self.s.head_dim
+
+    @property
+    def shards(self) -> int:  # distributed: fsdp shards the base, adapters and states over n processes; 1 otherwise
+        return self.cfg.training.shards
+
+    @property
+    def fsdp(self) -> bool:
+        return self.cfg.training.distributed == "fsdp"
+
+    @property
+    def nf4(self) -> bool:
+        return self.cfg.quantization.load_in_4bit
+
+    @property
+    def nf4_experts(self) -> bool:  # QLoRA stores the routed experts in NF4 too (stages.expert_nf4), except sharded: FSDP keeps them 16-bit
+        return self.nf4 and not self.fsdp
+
+    @property
+    def host_embeddings(self) -> bool:  # a table tied to lm_head stays on the GPU
+        return self.gpu["offload_embeddings"] and not self.s.tied
+
+
+def _step(cfg: RunConfig, s: Shapes, longest: int, on_gpu: bool, k: dict, packed_tokens: int | None) -> _Step:
+    gpu = resolve_auto(cfg, on_gpu=on_gpu, longest=longest)  # the settings as the train stage resolves them there
+    act = compute_dtype(cfg.model.torch_dtype, cuda=on_gpu).itemsize
+    # packed: the run's heaviest planned micro-batch where the caller knows it (the preflight), else the widest the data can make
+    b, seq = (1, packed_tokens or gpu["widest_micro_batch"]) if gpu["packing"] else (cfg.training.per_device_train_batch_size, longest)
+    targets = s.targets(cfg.lora.target_modules)
+    r = cfg.lora.r
+    matrices = [n for m in targets.linears for a, o in m.shapes for n in (r * a, r * o)]
+    matrices += [n for stack in targets.stacks for n in stack.lora_matrices(r)]
+    return _Step(cfg, s, k, gpu, on_gpu, act, b, seq, targets, matrices, loss_mode(cfg, on_gpu) == "chunked")
+
+
+def _base_weights(step: _Step) -> float:
+    s, act, n = step.s, step.act, step.shards
+    linear_params = sum(m.numel for m in s.linears().values())
+    table = s.vocab * s.hidden
+    stack_params = sum(stack.numel for stack in s.stacks())
+    other_params = (0 if step.host_embeddings else table) + (0 if s.tied else table) + s.other_params() - stack_params
+    double_quant = step.cfg.quantization.bnb_4bit_use_double_quant
+    # NF4 with FSDP: the packed 4-bit data is sharded, its quantisation constants (absmax) stay whole on every process
+    nf4_local = 0.5 / n + NF4_BYTES[double_quant] - 0.5
+    linear_bytes = linear_params * (nf4_local if step.nf4 else act / n)
+    return linear_bytes + stack_params * (NF4_BYTES[double_quant] if step.nf4_experts else act / n) \
+        + other_params * act / n
+
+
+def _adapters_and_optimizer_states(step: _Step) -> float:
+    states = sum(_state_bytes(step.gpu["optim"], n, step.on_gpu) for n in step.matrices)
+    return (sum(step.matrices) * 8 + states) / step.shards  # peft keeps adapters in fp32 (autocast_adapter_dtype): weight 4 + grad 4
+
+
+def _kept_for_backward(step: _Step) -> float:
+    s = step.s
+    if step.cfg.training.gradient_checkpointing:  # each layer's input
+        return (2 if step.gpu["offload_activations"] else s.layers) * step.tokens * s.hidden * step.act
+    return s.layers * (_layer_tensors(step, step.k["layer_i"] * s.intermediate) + _dropout(step) + _routed(step))
+
+
+def _layer_tensors(step: _Step, mlp: float) -> float:
+    """A layer's hidden- and KV-sized tensors and grads in backward, and `mlp` per token for its MLP's."""
+    k = step.k
+    return step.tokens * step.act * (k["layer_h"] * step.s.hidden + k["layer_kv"] * step.kv + mlp)
+
+
+def _dropout(step: _Step) -> float:
+    """A copy + mask of each adapted module's input, one layer's worth."""
+    targets = step.targets
+    if step.cfg.lora.lora_dropout > 0 and not targets.stacks:  # peft has no dropout on experts: none anywhere then
+        return step.tokens * sum(a for m in targets.linears for a, _ in m.shapes) / max(1, step.s.layers) * (step.act + 1)
+    return 0
+
+
+def _routed(step: _Step) -> float:
+    # A MoE layer's routed tensors are [S, .] for S = tokens x top-k slots, whichever experts the router picks: a
+    # trained router's imbalance moves rows between experts, not the total (the grouped path, stages.expert_lora)
+    s, k, stacks = step.s, step.k, step.s.stacks()
+    expert_i = max((stack.in_features for stack in stacks if stack.leaf == "down_proj"), default=0)
+    return step.tokens * s.top_k * step.act * (k["routed_i"] * expert_i + k["routed_h"] * s.hidden) if stacks else 0.0
+
+
+def _peak_moment(step: _Step) -> tuple[str, float]:
+    """The larger of one layer's recompute + backward and the loss, each with the weights FSDP has gathered for it."""
+    gathered_layer, gathered_tail, prefetched = _fsdp_gathered(step)
+    # chunked: the lm_head stays gathered through the backward (sharding.gather_lm_head_for_fused_loss)
+    layer_total = _layer_backward(step) + gathered_layer + prefetched + (gathered_tail if step.chunked else 0.0)
+    loss_total = _loss(step) + gathered_tail + gathered_layer
+    return ("loss", loss_total) if loss_total >= layer_total else ("layer recompute + backward", layer_total)
+
+
+def _fsdp_gathered(step: _Step) -> tuple[float, float, float]:
+    """FSDP2 all-gathers a layer's weights while it computes and prefetches the next unit's: a layer's, [final
+    norm, lm_head], the prefetched unit's (all 0 unsharded)."""
+    if not step.fsdp:
+        return 0.0, 0.0, 0.0
+    s, act = step.s, step.act
+    layers = max(1, s.layers)
+    linear_params = sum(m.numel for m in s.linears().values())
+    table = s.vocab * s.hidden
+    # (NF4 stored in the compute dtype: 0.5 byte per weight; LoRA and norms gathered in the compute dtype)
+    gathered_layer = linear_params / layers * (0.5 if step.nf4 else act) + (2 * s.hidden + sum(step.matrices) / layers) * act
+    gathered_tail = table * act + s.hidden * act  # [final norm, lm_head] stay whole from the forward's end into backward
+    # the last unit back-propagated, the input table (untied), is prefetched during the first layer's backward
+    prefetched = max(gathered_layer, 0.0 if s.tied else table * act)
+    return gathered_layer, gathered_tail, prefetched
+
+
+def _layer_backward(step: _Step) -> float:
+    """One checkpointed layer recomputed and back-propagated (0 without checkpointing: `kept` holds every layer's)."""
+    if not step.cfg.training.gradient_checkpointing:
+        return 0.0
+    s, k, act, tokens = step.s, step.k, step.act, step.tokens
+    if step.gpu["tiled_mlp"]:  # Liger's TiledMLP: shards of ceil(seq / hidden) per row, recomputed one at a time in backward
+        shard = step.b * math.ceil(step.seq / math.ceil(step.seq / s.hidden))
+        layer = (_layer_tensors(step, (k["tiled_h"] + step.nf4 * k["nf4_tiled_h"]) * s.hidden)
+                 + k["tile_i"] * shard * s.intermediate * act)
+    else:
+        layer = _layer_tensors(step, (k["layer_i"] + step.nf4 * k["nf4_i"]) * s.intermediate)
+    layer += _dropout(step) + _architecture_tensors(step) + _routed(step)
+    if step.gpu["packing"] and step.gpu["packed_attention"] == "varlen":
+        layer += k["packed_qkv"] * tokens * act * (s.heads * s.head_dim + step.kv)
+    if step.nf4:  # bitsandbytes dequantizes the weight to compute the input gradient (a whole stack for NF4 experts)
+        layer += max([a * o for m in s.linears().values() for a, o in m.shapes]
+                     + [stack.numel for stack in s.stacks() if step.nf4_experts]) * act
+    return layer
+
+
+def _architecture_tensors(step: _Step) -> float:
+    s, k, act, tokens = step.s, step.k, step.act, step.tokens
+    # normalised queries and keys (Qwen3, OLMo2): the norms' inputs and outputs, query- and key-sized
+    extra = k["qk_norm"] * tokens * act * (s.heads * s.head_dim + step.kv) if s.arch is not None and s.arch.qk_norm else 0.0
+    # a fused gate_up_proj (Phi-3) makes one tokens x 2I output and its grad, split into strided halves the kernel copies
+    extra += k["fused_mlp"] * tokens * act * s.intermediate if "gate_up_proj" in s.linears() and not step.gpu["tiled_mlp"] else 0.0
+    return extra
+
+
+def _loss(step: _Step) -> float:
+    s, act, tokens = step.s, step.act, step.tokens
+    if step.chunked:  # Liger: chunks of next_pow2(tokens / ceil(vocab / hidden)) rows of logits, computed and consumed in turn
+        chunk = 1 << max(0, math.ceil(math.log2(math.ceil(tokens / math.ceil(s.vocab / s.hidden)))))
+        return LOSS_H * tokens * s.hidden * act + 2 * min(chunk, tokens) * s.vocab * act
+    return LOSS_H * tokens * s.hidden * act + step.k["logits"] * tokens * s.vocab
+
+
+def _mask_and_attention_scores(step: _Step) -> float:
+    b, seq = step.b, step.seq
+    # a padded micro-batch's padding mask; a packed one's block-diagonal mask (with `mask` attention)
+    mask = step.k["mask"] * b * seq * seq if b > 1 or step.gpu["packed_attention"] == "mask" else 0.0
+    if step.cfg.model.attn_implementation == "eager":  # the seq x seq scores, per head, saved per layer
+        mask += b * step.s.heads * seq * seq * step.act * (2 if step.cfg.training.gradient_checkpointing else 2 * step.s.layers)
+    return mask
+
+
+def _allocator_slack(step: _Step, allocated: float) -> float:
+    # With expandable segments the allocator unmaps free pages inside its segment and maps them where a request
+    # needs them once the process reaches its cap: the 4-21% more an uncapped run reserves is given back, and a
+    # run capped a few % above its peak allocated completes (bench/results/cap_check.json). What stays is slack.
+    # What a run capped at its peak allocated still lacks: the pages its live blocks leave partly used, more for
+    # NF4's many small quantization-state blocks (bench/results/capped/: 0.04-0.29 GiB, 1.03-1.07x the allocation).
+    if not step.on_gpu:
+        return 0.0
+    k = step.k
+    return (k["slack_gib"] * GIB + k["slack"] * allocated + (k["slack_nf4_gib"] * GIB if step.nf4 else 0.0)
+            + (0.0 if step.chunked else k["frag_logits"] * step.tokens * step.s.vocab))
+
+
+def _shard_label(step: _Step) -> str:
+    return f", this process's 1/{step.shards} shard" if step.fsdp else ""
+
+
+def _weights_label(step: _Step) -> str:
+    stacks = step.s.stacks()
+    experts = ", experts NF4" if stacks and step.nf4_experts else ", experts 16-bit" if stacks else ""
+    return ("base weights" + (" (NF4" + experts + " + 16-bit embeddings)" if step.nf4 else "") + _shard_label(step)
+            + (", input embedding in host memory" if step.host_embeddings else ""))
+
+
+def _adapters_label(step: _Step) -> str:
+    paged = sum(_state_bytes(step.gpu["optim"], n, step.on_gpu, paged=True) for n in step.matrices)
+    return (f"LoRA weights+grads+{step.gpu['optim']} states ({sum(step.matrices) / 1e6:.1f} M params{_shard_label(step)})"
+            + (f"; {paged / GIB:.2f} GiB more states paged outside torch" if paged else ""))
+
+
+def _kept_label(step: _Step) -> str:
+    if not step.cfg.training.gradient_checkpointing:
+        return "activations kept for backward (all layers)"
+    return "activations kept for backward (layer inputs, checkpointed" + (", offloaded to host)" if step.gpu["offload_activations"] else ")")
+
+
+def _peak_label(step: _Step, phase: str) -> str:
+    return (f"peak moment: {phase}" + (" (chunked cross-entropy)" if step.chunked and phase == "loss" else "")
+            + (" (tiled MLP)" if step.gpu["tiled_mlp"] and phase != "loss" else "")
+            + (" + the layers (and lm_head) FSDP has gathered for it" if step.fsdp else ""))
 
 
 def _llama_style(s: Shapes) -> Architecture:

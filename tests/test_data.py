@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections import Counter
 
 import pytest
 
@@ -165,7 +166,9 @@ def test_sources_mix_by_weight_and_the_eval_split_is_held_out(tmp_path):
     assert sum(s.id.startswith(str(a)) for s in mixed) == 20 and sum(s.id.startswith(str(b)) for s in mixed) == 5
     assert [s.id for s in data.mixed(cfg)] == [s.id for s in mixed]  # seeded
     train, held = data.train_samples(cfg), data.eval_samples(cfg)
-    assert len(held) == 5 and len(train) == 20 and not {id(s) for s in held} & {id(s) for s in train}
+    assert len(held) == 5 and len(train) == 20
+    # a partition of the mix: every mixed position in exactly one of the two (a source taken twice is two positions)
+    assert Counter(s.id for s in train) + Counter(s.id for s in held) == Counter(s.id for s in mixed)
     assert data.held_out(cfg, 3) == held[:3]
     assert set(data.input_files(cfg)) == {a, b}
 
@@ -191,3 +194,18 @@ def test_the_training_set_is_tokenized_once_per_content_in_parallel_and_memory_m
     train.write_text(train.read_text() + json.dumps({"prompt": "one more", "completion": "encore"}) + "\n")
     changed = data.training_set(cfg, tokenizer)
     assert not changed.cached and changed.cache_dir != first.cache_dir and len(changed.lengths) == 31
+
+
+def test_a_source_is_parsed_once_while_its_files_stay_the_same(tmp_path):
+    """The stages of one run each ask for the samples: parsed once per content, read again once the file changes."""
+    p = write(tmp_path, [{"prompt": "a", "completion": "b"}])
+    first = data.read_source(p)
+    again = data.read_source(p)
+    assert again == first and again is not first and again[0] is first[0]   # the cached samples, in a list of its own
+    again.clear()
+    assert len(data.read_source(p)) == 1   # a caller's list is its own
+    write(tmp_path, [{"prompt": "a", "completion": "b"}, {"prompt": "c", "completion": "d"}])
+    assert [s.answer for s in data.read_source(p)] == ["b", "d"]
+    p.write_text("not json\n")
+    with pytest.raises(data.DataError, match="d.jsonl:1"):
+        data.read_source(p)
