@@ -29,7 +29,7 @@ from stages.errors import ConfigError, UserError
 TILE_FROM_TOKENS = 32768
 # The default packed budget stops here (where data.max_length allows): on the 7B QLoRA benchmark (R7, docs/benchmarks.md), steps of 32 samples, 16384- and
 # 24576-token micro-batches trained within noise of each other (8,311-8,866 and 8,171-8,768 loss tokens/s over two
-# calls), 32768 (the tiled MLP on) 6,173-6,227 (bench/results/packing/goals/). The smaller of the fast two.
+# calls), 32768 (the tiled MLP on) 6,173-6,227 (bench/packing_speed/results/goals/). The smaller of the fast two.
 PACKED_BUDGET_DEFAULT_MAX = 16384
 
 QUANT_FTYPES = {"Q4_K_M": 15, "Q5_K_S": 16, "Q5_K_M": 17, "Q6_K": 18, "Q8_0": 7, "Q4_K_S": 14}

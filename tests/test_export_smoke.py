@@ -162,7 +162,7 @@ def test_a_gguf_that_does_not_load_stops_the_smoke_test(tmp_path):
 
 def test_llama_cpp_runs_in_a_process_of_its_own_without_torch(run_dir):
     # A CUDA build of llama.cpp segfaults loading a model in a process that imported torch
-    # (bench/results/llama_gpu_diag.json): fidelity, tokenization and smoke use this process.
+    # (bench/llama_cuda/results/llama_gpu_diag.json): fidelity, tokenization and smoke use this process.
     import torch
 
     gguf = run_dir / "export" / "model-f16.gguf"

@@ -1,7 +1,7 @@
 """The container image is built and run here, with buildah (no Docker engine, no registry).
 
 Building the CPU image from a locally made Debian base and running the default flow inside it takes 11 minutes
-on 2 cores (bench/results/image/), more than the suite's budget: it runs where buildah is installed and
+on 2 cores (bench/image/results/), more than the suite's budget: it runs where buildah is installed and
 TAE_IMAGE_TEST=1 asks for it (`TAE_IMAGE_TEST=1 python -m pytest tests/test_image.py`, as root); the same as
 `bash scripts/build_image.sh`. Without either it is skipped, saying which.
 """

@@ -1,4 +1,4 @@
-"""What keeps a MoE model's GPU memory alive after the preflight's probe (bench/capped_grid.py pages rows M1-M4: the
+"""What keeps a MoE model's GPU memory alive after the preflight's probe (bench/gpu_figure/capped_grid.py pages rows M1-M4: the
 train stage that followed in the same process found 3.8-13 GiB still allocated). One row's preflight, then every live
 CUDA tensor of over 64 MiB and the chain of objects referring to the largest.
 
@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gpu_figure"))
 
 import capped_grid as cg  # noqa: E402
 from preflight_grid import make_checkpoint  # noqa: E402
