@@ -71,6 +71,26 @@ def test_early_stopping_keeps_the_checkpoint_with_the_lowest_eval_loss(tmp_path)
     assert again.skipped and again.eval_curve == r.eval_curve and again.adapter_step == 1
 
 
+def test_train_result_artifacts_are_the_memory_steps_and_the_eval_curve(tmp_path):
+    """What the flow publishes for train: every (len // 100)th memory row, then the eval curve; each only if there,
+    also for a result cached before artifacts() existed (read back without memory_png or eval fields)."""
+    stage_dir = tmp_path / "train"
+    stage_dir.mkdir()
+    old = {"adapter_dir": str(stage_dir / "adapter"), "steps": 3, "first_loss": 2.0, "final_loss": 1.0, "train_tokens": 9,
+           "tokens_per_s": 1.0, "trainable_params": 4, "resumed_from": None, "loss_png": str(stage_dir / "loss.png"), "memory": None}
+    assert train.TrainResult.from_record(old).artifacts() == []
+    (stage_dir / "memory_steps.jsonl").write_text("".join(json.dumps({"step": i, "rss_gib": 1.0}) + "\n" for i in range(1, 251)))
+    curve = [{"step": 1, "eval_loss": 2.5, "eval_tokens": 40}, {"step": 2, "eval_loss": 2.25, "eval_tokens": 40}]
+    r = train.TrainResult.from_record(dict(old, memory_png=str(stage_dir / "memory.png"), eval_curve=curve, best_step=2,
+                                           best_eval_loss=2.25, stopped_early=True, adapter_step=2))
+    steps, evals = r.artifacts()
+    assert steps.key == "memory-steps-train" and [row["step"] for row in steps.table] == list(range(1, 251, 2))
+    assert steps.description == f"Memory per optimizer step (every 2); plot: {stage_dir / 'memory.png'}"
+    assert evals.key == "eval-loss-train" and evals.table == curve
+    assert evals.description == ("Eval loss per loss-carrying token on the held-out data; lowest 2.2500 at step 2, stopped early "
+                                 f"at step 3; adapter from step 2; plot: {stage_dir / 'loss.png'}")
+
+
 def test_save_steps_must_be_a_multiple_of_eval_steps_to_keep_the_best(tmp_path):
     cfg = load_config(write_config(tmp_path, training={"save_steps": 5, "eval_steps": 2}))
     with pytest.raises(ConfigError, match=r"training.save_steps \(5\) is not a multiple of training.eval_steps \(2\).*e.g. 4 or 6.*"

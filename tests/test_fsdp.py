@@ -88,12 +88,15 @@ def test_two_machines_on_loopback_run_as_one_two_process_job(runs, tmp_path):
     multi = STEPS | FSDP | {"num_processes": 1, "num_machines": 2, "main_process_ip": "127.0.0.1", "main_process_port": port}
     cfg = write_config(tmp_path, training=multi)
     out = tmp_path / "train"
-    code = "import sys; from stages import train; from stages.config import load_config; train.run(load_config(sys.argv[1], [sys.argv[2]]), sys.argv[3])"
+    code = ("import sys; from stages import train; from stages.config import load_config; "
+            "r = train.run(load_config(sys.argv[1], [sys.argv[2]]), sys.argv[3]); print('result:', r.steps, r.adapter_dir, r.skipped)")
     machines = [subprocess.Popen([sys.executable, "-c", code, str(cfg), f"training.machine_rank={r}", str(out)], cwd=REPO,
                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in (1, 0)]
     logs = [m.communicate(timeout=300)[0] for m in machines]
     assert [m.returncode for m in machines] == [0, 0], logs[0][-3000:] + logs[1][-3000:]
     assert "machine 1 of 2 done" in logs[0]
+    # each machine's launcher returns the result process 0 saved (machine 1's through the copy its process kept)
+    assert all(f"result: 12 {out / 'adapter'} False" in log for log in logs), logs[0][-3000:]
     assert _losses(out) == pytest.approx(_losses(tmp / "two"), rel=1e-4)
     assert json.loads((out / "train_result.json").read_text())["memory"]["extra"]["distributed"]["machines"] == 2
 

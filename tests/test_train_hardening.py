@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from stages import data, train
 from stages.config import ConfigError, load_config
 from stages.modelio import load_tokenizer
-from stages.train import batches, hf_trainer, kernels
+from stages.train import batches, hf_trainer, kernels, oom
 from stages.train import model as lora_model
 from stages.train import stage as train_stage
 from tests.conftest import REPO, write_config
@@ -324,7 +324,7 @@ def test_a_ctrl_c_whose_exception_a_finalizer_swallowed_still_stops_training(tmp
 
 
 def test_the_oom_policy_picks_the_next_attempt_from_the_post_mortem(tmp_path):
-    """train_stage.next_attempt, the whole OOM policy: fit: speed falls back to fit: memory at the same micro-batch;
+    """oom.next_attempt, the whole OOM policy: fit: speed falls back to fit: memory at the same micro-batch;
     otherwise the micro-batch halves with twice the accumulation, resuming from the checkpoint, until
     training.oom_retries is used or no smaller micro-batch exists."""
     from types import SimpleNamespace
@@ -334,16 +334,16 @@ def test_the_oom_policy_picks_the_next_attempt_from_the_post_mortem(tmp_path):
     freed = {"previous_attempt_freed": True, "alloc_gib": 0.06}
     plan = SimpleNamespace(tokens_per_micro_batch=4096)
     speed = cfg.model_copy(update={"training": cfg.training.model_copy(update={"fit": "speed"})})
-    nxt, rec = train_stage.next_attempt(speed, report, 0, False, 40, plan, None, freed)
+    nxt, rec = oom.next_attempt(speed, report, 0, False, 40, plan, None, freed)
     assert nxt.training.fit == "memory" and nxt.training.per_device_train_batch_size == 8 and rec["fit"] == "memory"
-    nxt, rec = train_stage.next_attempt(cfg, report, 0, False, 40, plan, tmp_path / "checkpoint-2", freed)
+    nxt, rec = oom.next_attempt(cfg, report, 0, False, 40, plan, tmp_path / "checkpoint-2", freed)
     t = nxt.training
     assert (t.per_device_train_batch_size, t.gradient_accumulation_steps) == (4, 2 * cfg.training.gradient_accumulation_steps)
     assert rec == {"step": 3, "postmortem": "oom-postmortem-1.json", "resumed_from": str(tmp_path / "checkpoint-2"),
                    "per_device_train_batch_size": 4, "gradient_accumulation_steps": t.gradient_accumulation_steps} | freed
-    assert "resuming with micro-batch 4 x accumulation" in train_stage.describe_recovery(report, rec)
+    assert "resuming with micro-batch 4 x accumulation" in oom.describe_recovery(report, rec)
     with pytest.raises(train.TrainOOMError, match=r"step 3 with micro-batch 8 \(rows \['a', 'b'\]\); 2 retries used"):
-        train_stage.next_attempt(cfg, report, 2, False, 40, plan, None, freed)
+        oom.next_attempt(cfg, report, 2, False, 40, plan, None, freed)
     one = cfg.model_copy(update={"training": cfg.training.model_copy(update={"per_device_train_batch_size": 1})})
     with pytest.raises(train.TrainOOMError, match="no smaller micro-batch is possible"):
-        train_stage.next_attempt(one, report, 0, False, 40, plan, None, freed)
+        oom.next_attempt(one, report, 0, False, 40, plan, None, freed)

@@ -1,11 +1,11 @@
 """The train stage (stage.py) and its pieces: the model (model.py), micro-batches (batches.py, packing.py),
-attention and kernels, offloads, the Trainer (hf_trainer.py), eval loss, tracking, plots, the fit choice
-(autofit.py), the multi-process launcher (launch.py) and FSDP (sharding.py).
+attention and kernels, offloads, the Trainer (hf_trainer.py), what a CUDA OOM leads to (oom.py), eval loss,
+tracking, plots, the fit choice (autofit.py), the multi-process launcher (launch.py) and FSDP (sharding.py).
 
     from stages import train
     result = train.run(cfg, out_dir)        # python -m stages.train --config ...
 
-The stage's API is stage.py's, loaded on first use: the preflight and the memory model read a few
+The stage's API is stage.py's and oom.py's, loaded on first use: the preflight and the memory model read a few
 pieces (packing, eval_loss, kernels) without loading the Trainer, peft and accelerate with them.
 """
 
@@ -17,20 +17,17 @@ __all__ = ["TrainOOMError", "TrainResult", "choose_fit", "evaluation", "halve_mi
            "postmortem", "run"]
 
 if TYPE_CHECKING:
-    from stages.train.stage import (
-        TrainOOMError,
-        TrainResult,
-        choose_fit,
-        evaluation,
-        halve_micro_batch,
-        is_dataloader_shm_error,
-        main,
-        postmortem,
-        run,
-    )
+    from stages.train.oom import TrainOOMError, halve_micro_batch, is_dataloader_shm_error, postmortem
+    from stages.train.stage import TrainResult, choose_fit, evaluation, main, run
+
+_IN_OOM = {"TrainOOMError", "halve_micro_batch", "is_dataloader_shm_error", "postmortem"}  # the rest is stage.py's
 
 
 def __getattr__(name: str):
+    if name in _IN_OOM:
+        from stages.train import oom
+
+        return getattr(oom, name)
     if name in __all__:
         from stages.train import stage
 

@@ -18,7 +18,7 @@ import weakref
 from pathlib import Path
 
 import torch
-from transformers import TrainerCallback
+from transformers import EarlyStoppingCallback, Trainer, TrainerCallback, TrainingArguments
 
 from stages import errors, memory
 from stages.config import RunConfig
@@ -41,7 +41,7 @@ logging.getLogger("transformers.trainer_utils").addFilter(_NumericCheckpointOrde
 
 def make_trainer(cfg: RunConfig, model, train_rows, collator, out_dir: Path,
                  callbacks: list | None = None, *, eval_rows: list[dict] | None = None,
-                 memory_sinks: tuple = (), **overrides):
+                 memory_sinks: tuple = (), **overrides) -> StageTrainer:
     """The HF Trainer exactly as training uses it; `overrides` change TrainingArguments (the probe's 2 steps).
 
     Args:
@@ -52,14 +52,45 @@ def make_trainer(cfg: RunConfig, model, train_rows, collator, out_dir: Path,
             settings (eval_steps, early_stopping_patience, load_best) do nothing.
         memory_sinks: callables given each per-step memory row as it is written (the trackers).
     """
-    from transformers import EarlyStoppingCallback, Trainer, TrainingArguments
-
     t = cfg.training
     packed = isinstance(train_rows, (PackedRows, PackedSteps))
-    by_step = isinstance(train_rows, PackedSteps)  # each item is one step's micro-batches (packed_step: samples)
+    eval_items = eval_loss.micro_batches(cfg, eval_rows or [], packed)  # shaped like the training micro-batches
+    every = eval_loss.eval_steps(cfg, bool(eval_items))
+    args = _training_arguments(cfg, model, out_dir, packed, by_step=isinstance(train_rows, PackedSteps), eval_every=every,
+                               **overrides)
+    offload = kernels.offload_activations(cfg)
+    stop_early = [EarlyStoppingCallback(t.early_stopping_patience)] if every and t.early_stopping_patience else []
+    return StageTrainer(
+        model=model, args=args, train_dataset=train_rows, eval_dataset=eval_items if every else None,
+        data_collator=collator, offload_activations=offload, eval_collate=eval_loss.collate_like(collator) if every else None,
+        callbacks=[Interruptible(), MemoryCallback(out_dir / "memory_steps.jsonl", memory_sinks), *stop_early, *(callbacks or [])],
+    )
+
+
+def _training_arguments(cfg: RunConfig, model, out_dir: Path, packed: bool, *, by_step: bool, eval_every: int | None,
+                        **overrides) -> TrainingArguments:
+    """The stage's TrainingArguments: the config's training section, eval every `eval_every` steps (None: no eval),
+    FSDP in a launched process; `overrides` last.
+
+    Args:
+        packed: each item of the dataset is packed (one micro-batch, or with `by_step` one step's micro-batches).
+    """
+    kwargs = _train_kwargs(cfg, out_dir, packed, by_step) | _eval_kwargs(cfg, eval_every)
+    kwargs |= sharding.trainer_args(cfg, model)  # distributed: fsdp, in a launched process
+    args = TrainingArguments(**(kwargs | overrides))
+    if args.n_gpu > 1:
+        # One process and several visible GPUs: the Trainer would wrap nn.DataParallel, which copies the
+        # model to every GPU each step and puts Liger's loss terms on two devices. One process trains on
+        # its own GPU; several GPUs are `launcher: accelerate` (DDP).
+        args._n_gpu = 1
+    return args
+
+
+def _train_kwargs(cfg: RunConfig, out_dir: Path, packed: bool, by_step: bool) -> dict:
+    t = cfg.training
     on_gpu = device().type == "cuda"
     dtype = compute_dtype(cfg.model.torch_dtype)
-    kwargs = dict(
+    return dict(
         output_dir=str(out_dir / "checkpoints"),
         per_device_train_batch_size=1 if packed else t.per_device_train_batch_size,
         # by step, the Trainer reads a whole step as one item and training_step runs its micro-batches
@@ -91,105 +122,103 @@ def make_trainer(cfg: RunConfig, model, train_rows, collator, out_dir: Path,
         disable_tqdm=False,
         logging_first_step=True,
     )
-    eval_items = eval_loss.micro_batches(cfg, eval_rows or [], packed)  # shaped like the training micro-batches
-    every = eval_loss.eval_steps(cfg, bool(eval_items))
-    if every:
-        kwargs |= dict(eval_strategy="steps", eval_steps=every, metric_for_best_model="eval_loss", greater_is_better=False,
-                       load_best_model_at_end=t.load_best,
-                       prediction_loss_only=True)  # any other eval path (predict) gathers no logits either
-    kwargs |= sharding.trainer_args(cfg, model)  # distributed: fsdp, in a launched process
-    args = TrainingArguments(**(kwargs | overrides))
-    if args.n_gpu > 1:
-        # One process and several visible GPUs: the Trainer would wrap nn.DataParallel, which copies the
-        # model to every GPU each step and puts Liger's loss terms on two devices. One process trains on
-        # its own GPU; several GPUs are `launcher: accelerate` (DDP).
-        args._n_gpu = 1
 
-    offload = kernels.offload_activations(cfg)
 
-    eval_collate = eval_loss.collate_like(collator) if every else None
+def _eval_kwargs(cfg: RunConfig, every: int | None) -> dict:
+    if not every:
+        return {}
+    return dict(eval_strategy="steps", eval_steps=every, metric_for_best_model="eval_loss", greater_is_better=False,
+                load_best_model_at_end=cfg.training.load_best,
+                prediction_loss_only=True)  # any other eval path (predict) gathers no logits either
 
-    class StageTrainer(Trainer):
-        """The forward runs with saved activations offloaded to pinned CPU memory (when on), the
-        micro-batches trained on are counted (tokens/s, the OOM post-mortem's batch), and eval loss
-        is per loss-carrying token of the whole eval set."""
 
-        def __init__(self, *a, **kw):
-            super().__init__(*a, **kw)
-            # self.model, not the enclosing `model`: a closure would keep the model alive as long as
-            # this class, i.e. as long as the trainer, after release() has dropped every other reference
-            self.offload = OffloadActivations(self.model) if offload else None
-            self.micro_batches = 0  # trained on in this process (an epoch's last step can have fewer than the accumulation)
-            self.evaluating = False  # stays True if an eval batch ran out of memory (the post-mortem says so)
+class StageTrainer(Trainer):
+    """The forward runs with saved activations offloaded to pinned CPU memory (when on), the
+    micro-batches trained on are counted (tokens/s, the OOM post-mortem's batch), and eval loss
+    is per loss-carrying token of the whole eval set.
 
-        def create_accelerator_and_postprocess(self):
-            super().create_accelerator_and_postprocess()
-            sharding.enable_on_cpu(self)  # FSDP on gloo as on GPUs (accelerate would run DDP there)
+    Args:
+        offload_activations: offload saved activations (kernels.offload_activations).
+        eval_collate: collates an eval micro-batch (eval_loss.collate_like); None without eval.
+    """
 
-        def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix="eval"):
-            """Eval loss on this process's share of the eval micro-batches, summed over processes, then
-            logged and handed to the callbacks (early stopping, best checkpoint) as the Trainer's own is."""
-            start = time.perf_counter()
-            items = self.eval_dataset if eval_dataset is None else eval_dataset
-            self.evaluating = True
-            mine = list(items[self.args.process_index::self.args.world_size])
-            counted = len(mine)
-            if self.is_fsdp_enabled:  # a sharded forward is collective: every process runs as many, extras not counted
-                mine += [items[0]] * (-(-len(items) // self.args.world_size) - counted)
-            total, tokens = eval_loss.measure(self.model, mine, eval_collate, self.args.device, self.accelerator.autocast,
-                                              counted=counted, every_forward=self.is_fsdp_enabled)
-            self.evaluating = False
-            summed = self.accelerator.reduce(torch.stack([total, torch.tensor(float(tokens), dtype=total.dtype, device=total.device)]),
-                                             reduction="sum")
-            total, tokens = summed.tolist()
-            metrics = {f"{metric_key_prefix}_loss": total / tokens if tokens else float("nan"),
-                       f"{metric_key_prefix}_tokens": int(tokens), f"{metric_key_prefix}_runtime": round(time.perf_counter() - start, 3)}
-            self.log(metrics)
-            self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
-            return metrics
+    def __init__(self, *a, offload_activations: bool = False, eval_collate=None, **kw):
+        super().__init__(*a, **kw)
+        self.offload = OffloadActivations(self.model) if offload_activations else None
+        self.eval_collate = eval_collate
+        self.micro_batches = 0  # trained on in this process (an epoch's last step can have fewer than the accumulation)
+        self.evaluating = False  # stays True if an eval batch ran out of memory (the post-mortem says so)
 
-        def _save_checkpoint(self, model, trial):
-            super()._save_checkpoint(model, trial)
-            if self.is_fsdp_enabled:
-                sharding.agree_on_best_checkpoint(self)
+    def create_accelerator_and_postprocess(self):
+        # Kept: Trainer.__init__ reads is_fsdp_enabled right after this (model placement, then wrapping), so FSDP
+        # on CPU must be switched on here, not after the Trainer is built.
+        super().create_accelerator_and_postprocess()
+        sharding.enable_on_cpu(self)  # FSDP on gloo as on GPUs (accelerate would run DDP there)
 
-        def training_step(self, model, inputs, num_items_in_batch=None):
-            parts = inputs.get("micro_batches") if isinstance(inputs, dict) else None
-            if parts is None:
-                self.micro_batches += 1
-                return super().training_step(model, inputs, num_items_in_batch)
-            # One optimizer step's micro-batches (packed_step: samples): gradients accumulate over them, synced
-            # across processes on the last only; each loss is divided by the step's loss-carrying tokens.
-            total = None
-            for j, part in enumerate(parts):
-                self.micro_batches += 1
-                sync = contextlib.nullcontext() if j == len(parts) - 1 else self.accelerator.no_sync(model)
-                with sync:
-                    loss = super().training_step(model, part, num_items_in_batch)
-                total = loss if total is None else total + loss
-            return total
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix="eval"):
+        """Eval loss on this process's share of the eval micro-batches, summed over processes, then
+        logged and handed to the callbacks (early stopping, best checkpoint) as the Trainer's own is."""
+        start = time.perf_counter()
+        items = self.eval_dataset if eval_dataset is None else eval_dataset
+        self.evaluating = True
+        mine = list(items[self.args.process_index::self.args.world_size])
+        counted = len(mine)
+        if self.is_fsdp_enabled:  # a sharded forward is collective: every process runs as many, extras not counted
+            mine += [items[0]] * (-(-len(items) // self.args.world_size) - counted)
+        total, tokens = eval_loss.measure(self.model, mine, self.eval_collate, self.args.device, self.accelerator.autocast,
+                                          counted=counted, every_forward=self.is_fsdp_enabled)
+        self.evaluating = False
+        summed = self.accelerator.reduce(torch.stack([total, torch.tensor(float(tokens), dtype=total.dtype, device=total.device)]),
+                                         reduction="sum")
+        total, tokens = summed.tolist()
+        metrics = {f"{metric_key_prefix}_loss": total / tokens if tokens else float("nan"),
+                   f"{metric_key_prefix}_tokens": int(tokens), f"{metric_key_prefix}_runtime": round(time.perf_counter() - start, 3)}
+        self.log(metrics)
+        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
+        return metrics
 
-        def _get_num_items_in_batch(self, batch_samples, device):
-            # a step item counts the loss-carrying tokens of all its micro-batches
+    def _save_checkpoint(self, model, trial):
+        # Private override kept: the fix of the best-checkpoint record (sharding.agree_on_best_checkpoint) rewrites
+        # state and the checkpoint's trainer_state.json, so it belongs here, before any callback's on_save reads them.
+        super()._save_checkpoint(model, trial)
+        if self.is_fsdp_enabled:
+            sharding.agree_on_best_checkpoint(self)
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        parts = inputs.get("micro_batches") if isinstance(inputs, dict) else None
+        if parts is None:
+            self.micro_batches += 1
+            return super().training_step(model, inputs, num_items_in_batch)
+        # One optimizer step's micro-batches (packed_step: samples): gradients accumulate over them, synced
+        # across processes on the last only; each loss is divided by the step's loss-carrying tokens.
+        total = None
+        for j, part in enumerate(parts):
+            self.micro_batches += 1
+            sync = contextlib.nullcontext() if j == len(parts) - 1 else self.accelerator.no_sync(model)
+            with sync:
+                loss = super().training_step(model, part, num_items_in_batch)
+            total = loss if total is None else total + loss
+        return total
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        batch_samples, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
+        # A step item (packed_step: samples) has no labels of its own: count the loss-carrying tokens of all its
+        # micro-batches the Trainer's way (summed over processes). Public hook, private counter only called: if
+        # transformers renames it this fails loudly, where an override of it would silently stop being called.
+        if any("micro_batches" in b for b in batch_samples):
             flat = [p for b in batch_samples for p in (b["micro_batches"] if "micro_batches" in b else [b])]
-            return super()._get_num_items_in_batch(flat, device)
+            num_items = self._get_num_items_in_batch(flat, device)
+        return batch_samples, num_items
 
-        def floating_point_ops(self, inputs):
-            return 0  # transformers' token count reads input_ids at the top of the batch, which a step item has not
+    def floating_point_ops(self, inputs):
+        return 0  # transformers' token count reads input_ids at the top of the batch, which a step item has not
 
-        def compute_loss_context_manager(self):
-            stack = super().compute_loss_context_manager()
-            if self.offload is not None:
-                self.offload.reset()  # the previous micro-batch's backward is done
-                stack.enter_context(self.offload)
-            return stack
-
-    stop_early = [EarlyStoppingCallback(t.early_stopping_patience)] if every and t.early_stopping_patience else []
-    return StageTrainer(
-        model=model, args=args, train_dataset=train_rows, eval_dataset=eval_items if every else None,
-        data_collator=collator,
-        callbacks=[Interruptible(), MemoryCallback(out_dir / "memory_steps.jsonl", memory_sinks), *stop_early, *(callbacks or [])],
-    )
+    def compute_loss_context_manager(self):
+        stack = super().compute_loss_context_manager()
+        if self.offload is not None:
+            self.offload.reset()  # the previous micro-batch's backward is done
+            stack.enter_context(self.offload)
+        return stack
 
 
 def release(trainer) -> None:

@@ -59,6 +59,12 @@ def launch(cfg: RunConfig, out_dir: Path) -> None:
         raise RuntimeError(f"accelerate launch of stages.train exited with {rc}; its output is above")
 
 
+def machine_result(out_dir: Path, machine_rank: int) -> Path:
+    """Where a machine other than 0 keeps the train result its processes got from process 0, for its launcher:
+    machine 0's files may not be on this machine (each its own copy, like its launch config)."""
+    return Path(out_dir) / f"train_result-machine{machine_rank}.json"
+
+
 def launcher_args(cfg: RunConfig, cuda: bool) -> list[str]:
     """The launcher module and its arguments: `accelerate launch` on GPUs; torchrun on CPU, whose gloo
     backend it wraps (accelerate's own multi-CPU path needs MPI). Multi-node: the same rendezvous

@@ -136,6 +136,16 @@ def adapter_state_dict(model) -> dict[str, torch.Tensor] | None:
     return out if rank0 else None
 
 
+def from_process_zero(obj):
+    """Process 0's `obj` in every process (pickled through the process group); `obj` itself without one.
+    Every process must call it."""
+    if not torch.distributed.is_initialized():
+        return obj
+    box = [obj]
+    torch.distributed.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def per_rank_memory() -> list[dict] | None:
     """Each process's peak memory this stage (GPU: torch's peak allocated and reserved; CPU: peak RSS),
     in process 0; None elsewhere. Every process must call it."""

@@ -15,7 +15,8 @@ silently lose memory savings are set explicitly here, not left to defaults:
 Micro-batches are packed to a token budget (`training.packing`, stages/train/packing.py) or padded
 to their longest row (stages/train/batches.py). The pieces: stages/train/model.py builds the model
 (the preflight's probe builds it the same way), stages/train/kernels.py resolves the `auto`
-settings, stages/train/hf_trainer.py is the Trainer, stages/train/launch.py the multi-process launcher.
+settings, stages/train/hf_trainer.py is the Trainer, stages/train/oom.py the OOM post-mortem and policy,
+stages/train/launch.py the multi-process launcher.
 
 Checkpoints go to <out>/checkpoints every `training.save_steps`; running again after a
 crash resumes from the last one (packed: the same micro-batches, from the seeded plan). Per-step memory goes to <out>/memory_steps.jsonl, the
@@ -42,14 +43,15 @@ from pathlib import Path
 import torch
 
 from stages import data, memory, result_files
+from stages.artifact import Artifact
 from stages.config import RunConfig, load_config
-from stages.errors import UserError
 from stages.memory import MemoryReport
 from stages.modelio import device, load_tokenizer
 from stages.train import autofit, batches, eval_loss, kernels, launch, sharding
 from stages.train.attention import attention_kernel
-from stages.train.hf_trainer import InjectOOM, MemorySnapshot, last_checkpoint, make_trainer, release, step_of
+from stages.train.hf_trainer import InjectOOM, MemorySnapshot, StageTrainer, last_checkpoint, make_trainer, release, step_of
 from stages.train.model import build_model
+from stages.train.oom import describe_recovery, is_dataloader_shm_error, next_attempt, postmortem
 from stages.train.plots import plot_loss, plot_memory
 from stages.train.tracking import Tracker
 
@@ -77,9 +79,36 @@ class TrainResult:
     stopped_early: bool = False           # training.early_stopping_patience ended it before max_steps
     adapter_step: int | None = None       # the step the adapter in adapter_dir is from (best_step with training.load_best)
 
+    @classmethod
+    def from_record(cls, record: dict, *, skipped: bool = True) -> TrainResult:
+        """The result as stages.result_files saved it (also one saved before a field was added: its default);
+        `skipped`: this process found it done, rather than trained it."""
+        d = dict(record)
+        mem = dict(d.pop("memory") or {})
+        mem.pop("peak_gib", None)
+        return cls(**{k: Path(v) if k in ("adapter_dir", "loss_png", "memory_png") and v else v for k, v in d.items() if k != "skipped"},
+                   memory=MemoryReport(**mem) if mem else None, skipped=skipped)
 
-class TrainOOMError(UserError, RuntimeError):
-    """CUDA ran out of memory and halving the micro-batch did not help (or cannot)."""
+    def artifacts(self) -> list[Artifact]:
+        """What the flow shows of training beside its memory table: memory per step and the eval curve, each if there."""
+        return self._memory_steps() + self._eval_curve()
+
+    def _memory_steps(self) -> list[Artifact]:
+        # adapter_dir sits in the stage dir, so a result cached before this method existed finds the file too
+        steps_file = self.adapter_dir.parent / "memory_steps.jsonl"
+        if not steps_file.is_file():
+            return []
+        rows = [json.loads(line) for line in steps_file.read_text().splitlines()]
+        every = max(1, len(rows) // 100)  # at most ~100 rows in the UI; the PNG has them all
+        return [Artifact("memory-steps-train", f"Memory per optimizer step (every {every}); plot: {self.memory_png}", table=rows[::every])]
+
+    def _eval_curve(self) -> list[Artifact]:
+        if not self.eval_curve:  # no eval data
+            return []
+        stop = f", stopped early at step {self.steps}" if self.stopped_early else ""
+        return [Artifact("eval-loss-train", f"Eval loss per loss-carrying token on the held-out data; lowest {self.best_eval_loss:.4f} at step "
+                                            f"{self.best_step}{stop}; adapter from step {self.adapter_step}; plot: {self.loss_png}",
+                         table=self.eval_curve)]
 
 
 def run(cfg: RunConfig, out_dir: Path, *, inject_oom_at: int | None = None) -> TrainResult:
@@ -87,9 +116,12 @@ def run(cfg: RunConfig, out_dir: Path, *, inject_oom_at: int | None = None) -> T
 
     On a CUDA out-of-memory error: write <out_dir>/oom-postmortem-<n>.json, then resume from
     the last checkpoint with half the micro-batch (packed: half the token budget) and twice the
-    accumulation (the same effective batch and optimizer step), up to training.oom_retries times.
-    Nothing of the failed attempt (model, optimizer, batches, the traceback's frames) is left
-    when the model is built again; the recovery record says so (previous_attempt_freed).
+    accumulation (the same effective batch and optimizer step), up to training.oom_retries times
+    (stages/train/oom.py). Nothing of the failed attempt (model, optimizer, batches, the traceback's
+    frames) is left when the model is built again; the recovery record says so (previous_attempt_freed).
+
+    Several processes (DDP/FSDP) each train their share; process 0 writes the adapter and the result,
+    and every process returns that result.
 
     Args:
         inject_oom_at: test hook; raise torch.OutOfMemoryError when optimizer step N begins
@@ -98,124 +130,153 @@ def run(cfg: RunConfig, out_dir: Path, *, inject_oom_at: int | None = None) -> T
     out_dir = Path(out_dir)
     if result_files.done(out_dir, "train"):
         print(f"train: adapter already trained in {out_dir / 'adapter'}; skipping")
-        return _load_result(result_files.load(out_dir, "train"))
+        return TrainResult.from_record(result_files.load(out_dir, "train"))
     if cfg.training.launcher == "accelerate" and not os.environ.get(launch.LAUNCHED):
-        with memory.track("train", out_dir / "launcher") as meter:
-            launch.launch(cfg, out_dir)
-        if cfg.training.machine_rank > 0:
-            print(f"train: machine {cfg.training.machine_rank} of {cfg.training.num_machines} done; machine 0 writes the adapter")
-            return None
-        result = _load_result(result_files.load(out_dir, "train"))
-        result.memory, result.skipped = result.memory or meter.report, False
-        return result
+        return _launched(cfg, out_dir)
+    inputs = _read_inputs(cfg)
+    with Tracker(cfg, out_dir) as tracker:
+        with memory.track("train", out_dir) as meter:
+            final, recoveries = _train_until_it_fits(cfg, inputs, out_dir, tracker, inject_oom_at)
+            # FSDP: every process hands in its shards of the adapter (with training.load_best, of the best
+            # checkpoint, which the Trainer has loaded back by now); process 0 writes it, whole, once
+            whole = sharding.adapter_state_dict(final.model) if sharding.is_sharded(final.model) else None
+            ranks = sharding.per_rank_memory() if inputs.world > 1 or whole is not None else None
+            trainable = _save_adapter(final, whole, out_dir)
+            meter.extra |= _memory_extra(cfg, final, recoveries, ranks, inputs.world)
+        result = done = None
+        if final.trainer.is_world_process_zero():  # DDP/FSDP: rank 0 writes the adapter and the results
+            result = _result(cfg, final, recoveries, trainable, meter.report, out_dir)
+            done = result_files.save(out_dir, "train", result)
+        result = _on_every_process(result, cfg, out_dir)
+        if done:
+            _track(tracker, result, out_dir, done)
+    return result
 
+
+@dataclass(frozen=True)
+class Inputs:
+    """What every attempt trains on: read once, before any model is built."""
+    tokenizer: object
+    rows: object               # data.TrainingSet.rows: memory-mapped
+    lengths: list[int]
+    held_out: list[dict]       # eval rows; [] without eval data
+    longest: int               # tokens of the longest sample
+    world: int                 # processes training together
+
+
+@dataclass
+class Attempt:
+    """One try at training, with what it trained with; model and trainer are let go of (None) once it is done with them."""
+    cfg: RunConfig
+    packed: bool
+    plan: batches.Plan
+    collator: batches.Collator | batches.PackedCollator
+    model: object
+    fit: autofit.FitChoice
+    resume: Path | None        # the checkpoint it continued from
+    trainer: StageTrainer | None
+    wall_s: float = 0.0        # its trainer.train(), when it ran to the end
+
+
+def _read_inputs(cfg: RunConfig) -> Inputs:
     tokenizer = load_tokenizer(cfg.model)
     tset = data.training_set(cfg, tokenizer)  # tokenized once per content (the preflight made it), memory-mapped
-    train_rows, lengths = tset.rows, tset.lengths
     held_out = eval_loss.rows(cfg, tokenizer)
     every = eval_loss.eval_steps(cfg, bool(held_out))  # a save_steps/eval_steps clash fails here, before the model loads
     print(f"train: {_describe_eval(cfg, held_out, every)}")
-    longest = max(lengths)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    attempt_cfg, recoveries = cfg, []
-    with Tracker(cfg, out_dir) as tracker:
-        with memory.track("train", out_dir) as meter:
-            while True:
-                packed = kernels.packing(attempt_cfg)
-                dataset, plan = batches.dataset(attempt_cfg, train_rows, packed, world, lengths)
-                collator = (batches.PackedCollator(varlen=kernels.packed_attention(attempt_cfg) == "varlen") if packed
-                            else batches.Collator(tokenizer.pad_token_id))
-                print(f"train: {plan.describe()}")
-                model = build_model(attempt_cfg, longest)
-                fit = choose_fit(attempt_cfg, model, train_rows, collator, out_dir, lengths)
-                resume = last_checkpoint(out_dir / "checkpoints")
-                hooks = [InjectOOM(inject_oom_at)] if inject_oom_at and not recoveries else []
-                if attempt_cfg.training.memory_snapshot_steps and torch.cuda.is_available() and not recoveries:
-                    hooks.append(MemorySnapshot(attempt_cfg.training.memory_snapshot_steps, out_dir / "memory_snapshot.pickle"))
-                hooks += tracker.callbacks(step_of(resume) if resume else 0)
-                trainer = make_trainer(attempt_cfg, model, dataset, collator, out_dir, callbacks=hooks,
-                                       eval_rows=held_out, memory_sinks=(tracker.memory,))
-                if resume:
-                    print(f"train: resuming from {resume}")
-                t0 = time.perf_counter()
-                report = None
-                try:
-                    trainer.train(resume_from_checkpoint=str(resume) if resume else None)
-                except torch.OutOfMemoryError as e:
-                    report = postmortem(e, attempt_cfg, trainer, model, collator, out_dir / f"oom-postmortem-{len(recoveries) + 1}.json")
-                    # The traceback keeps every frame of the failed step alive (the Trainer's loop with its model,
-                    # optimizer and batches; the forward's activations), and a frame that re-raised holds the
-                    # exception in a cycle only the collector breaks: their locals go now, before the rebuild.
-                    traceback.clear_frames(e.__traceback__)
-                except RuntimeError as e:
-                    if is_dataloader_shm_error(e):
-                        raise RuntimeError(
-                            f"not a GPU out-of-memory: a DataLoader worker ran out of shared memory (/dev/shm) ({e}); "
-                            "keep dataloader workers at 0 or give the container more /dev/shm (docker --shm-size)"
-                        ) from e
-                    raise
-                if report is None:
-                    break
-                # Here, outside the except block, the exception is gone; then the attempt itself.
-                failed = [weakref.ref(x) for x in (model, trainer.optimizer) if x is not None]
-                release(trainer)
-                del trainer, model
-                memory.free_gpu()
-                freed = {"previous_attempt_freed": all(r() is None for r in failed)} | {
-                    k: round(v, 4) for k, v in memory.stats().items() if k in ("alloc_gib", "reserved_gib")}
-                if not freed["previous_attempt_freed"]:
-                    print(f"train: WARNING: the failed attempt is still reachable ({_holders(failed)}); the rebuild may run out too")
-                report |= freed
-                attempt_cfg, recovery = next_attempt(attempt_cfg, report, len(recoveries), packed, longest, plan,
-                                                     last_checkpoint(out_dir / "checkpoints"), freed)
-                recoveries.append(recovery)
-                print(describe_recovery(report, recovery))
-            wall = time.perf_counter() - t0
-            # FSDP: every process hands in its shards of the adapter (with training.load_best, of the best
-            # checkpoint, which the Trainer has loaded back by now); process 0 writes it, whole, once
-            whole = sharding.adapter_state_dict(model) if sharding.is_sharded(model) else None
-            ranks = sharding.per_rank_memory() if world > 1 or whole is not None else None
-            release(trainer)
-            if trainer.is_world_process_zero():  # DDP/FSDP: rank 0 writes the adapter and the results
-                model.save_pretrained(out_dir / "adapter", safe_serialization=True, **({"state_dict": whole} if whole else {}))
-            trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)  # a shard counts its whole tensor
-            # Trainer and model hold each other through cycles (callbacks, hooks, Liger's bound forward):
-            # collected here, inside the stage, or the next stage would start with this model still allocated.
-            del model
-            memory.free_gpu()
-            meter.extra["steps_this_process"] = trainer.state.global_step - (step_of(resume) if resume else 0)
-            meter.extra["oom_recoveries"] = recoveries
-            meter.extra["fit"] = memory.jsonable(fit)
-            if ranks:  # each process's own peak: with fsdp, what one GPU holds of the sharded model
-                meter.extra["per_rank"] = ranks
-                meter.extra["distributed"] = {"kind": cfg.training.distributed, "processes": world,
-                                              "machines": cfg.training.num_machines}
-        if not trainer.is_world_process_zero():
-            return None
-        losses = [e for e in trainer.state.log_history if "loss" in e]
-        evals = evaluation(trainer, cfg)
-        tokens = collator.tokens(trainer.micro_batches) * trainer.args.world_size  # each DDP rank trains its own share
-        result = TrainResult(
-            adapter_dir=out_dir / "adapter",
-            steps=trainer.state.global_step,
-            first_loss=losses[0]["loss"] if losses else float("nan"),
-            final_loss=losses[-1]["loss"] if losses else float("nan"),
-            train_tokens=tokens,
-            tokens_per_s=round(tokens / wall, 1) if wall > 0 else 0.0,
-            trainable_params=trainable,
-            resumed_from=str(resume) if resume else None,
-            loss_png=plot_loss(losses, out_dir, evals["eval_curve"]),
-            memory=meter.report,
-            oom_recoveries=recoveries,
-            memory_png=plot_memory(out_dir, _budget_gib(cfg)),
-            fit=memory.jsonable(fit),
-            batches=asdict(plan),
-            **evals,
-        )
-        done = result_files.save(out_dir, "train", result)
-        tracker.finish(result.steps, [result.loss_png, result.memory_png, out_dir / "eval_loss.jsonl", done],
-                       {k: getattr(result, k) for k in ("final_loss", "tokens_per_s", "best_step", "best_eval_loss", "stopped_early", "adapter_step")})
+    return Inputs(tokenizer, tset.rows, tset.lengths, held_out, max(tset.lengths), int(os.environ.get("WORLD_SIZE", "1")))
+
+
+def _launched(cfg: RunConfig, out_dir: Path) -> TrainResult:
+    """Train in the processes `launch.launch` starts on this machine; the result their process 0 saved
+    (on another machine than 0, the copy its processes kept)."""
+    with memory.track("train", out_dir / "launcher") as meter:
+        launch.launch(cfg, out_dir)
+    t = cfg.training
+    if t.machine_rank > 0:
+        print(f"train: machine {t.machine_rank} of {t.num_machines} done; machine 0 writes the adapter")
+    saved = result_files.path(out_dir, "train") if t.machine_rank == 0 else launch.machine_result(out_dir, t.machine_rank)
+    result = TrainResult.from_record(json.loads(saved.read_text()), skipped=False)
+    result.memory = result.memory or meter.report
     return result
+
+
+def _train_until_it_fits(cfg: RunConfig, inputs: Inputs, out_dir: Path, tracker: Tracker,
+                         inject_oom_at: int | None) -> tuple[Attempt, list[dict]]:
+    """Train to the end; after a CUDA OOM, free the attempt and train again as the OOM policy says (oom.next_attempt).
+    The attempt that finished, and the record of each recovery."""
+    attempt_cfg, recoveries = cfg, []
+    while True:
+        attempt = _prepare(attempt_cfg, inputs, out_dir, tracker, inject_oom_at, first=not recoveries)
+        report = _train(attempt, out_dir / f"oom-postmortem-{len(recoveries) + 1}.json")
+        if report is None:
+            return attempt, recoveries
+        freed = _free(attempt)
+        report |= freed
+        attempt_cfg, recovery = next_attempt(attempt_cfg, report, len(recoveries), attempt.packed, inputs.longest, attempt.plan,
+                                             last_checkpoint(out_dir / "checkpoints"), freed)
+        recoveries.append(recovery)
+        print(describe_recovery(report, recovery))
+
+
+def _prepare(cfg: RunConfig, inputs: Inputs, out_dir: Path, tracker: Tracker, inject_oom_at: int | None, *,
+             first: bool) -> Attempt:
+    """Micro-batches, model, fit and Trainer of one attempt, resuming from the last checkpoint if there is one;
+    the test hook and the memory snapshot only in the `first`."""
+    packed = kernels.packing(cfg)
+    dataset, plan = batches.dataset(cfg, inputs.rows, packed, inputs.world, inputs.lengths)
+    collator = (batches.PackedCollator(varlen=kernels.packed_attention(cfg) == "varlen") if packed
+                else batches.Collator(inputs.tokenizer.pad_token_id))
+    print(f"train: {plan.describe()}")
+    model = build_model(cfg, inputs.longest)
+    fit = choose_fit(cfg, model, inputs.rows, collator, out_dir, inputs.lengths)
+    resume = last_checkpoint(out_dir / "checkpoints")
+    hooks = [InjectOOM(inject_oom_at)] if inject_oom_at and first else []
+    if cfg.training.memory_snapshot_steps and torch.cuda.is_available() and first:
+        hooks.append(MemorySnapshot(cfg.training.memory_snapshot_steps, out_dir / "memory_snapshot.pickle"))
+    hooks += tracker.callbacks(step_of(resume) if resume else 0)
+    trainer = make_trainer(cfg, model, dataset, collator, out_dir, callbacks=hooks, eval_rows=inputs.held_out,
+                           memory_sinks=(tracker.memory,))
+    if resume:
+        print(f"train: resuming from {resume}")
+    return Attempt(cfg, packed, plan, collator, model, fit, resume, trainer)
+
+
+def _train(attempt: Attempt, postmortem_path: Path) -> dict | None:
+    """Run the attempt's Trainer: None when it trained to the end, its post-mortem when CUDA ran out of memory."""
+    resume = attempt.resume
+    t0 = time.perf_counter()
+    try:
+        attempt.trainer.train(resume_from_checkpoint=str(resume) if resume else None)
+    except torch.OutOfMemoryError as e:
+        report = postmortem(e, attempt.cfg, attempt.trainer, attempt.model, attempt.collator, postmortem_path)
+        # The traceback keeps every frame of the failed step alive (the Trainer's loop with its model,
+        # optimizer and batches; the forward's activations), and a frame that re-raised holds the
+        # exception in a cycle only the collector breaks: their locals go now, before the rebuild.
+        traceback.clear_frames(e.__traceback__)
+        return report
+    except RuntimeError as e:
+        if is_dataloader_shm_error(e):
+            raise RuntimeError(
+                f"not a GPU out-of-memory: a DataLoader worker ran out of shared memory (/dev/shm) ({e}); "
+                "keep dataloader workers at 0 or give the container more /dev/shm (docker --shm-size)"
+            ) from e
+        raise
+    attempt.wall_s = time.perf_counter() - t0
+    return None
+
+
+def _free(attempt: Attempt) -> dict:
+    """Let go of a failed attempt's model and Trainer (the exception is gone by now) and return what that left."""
+    failed = [weakref.ref(x) for x in (attempt.model, attempt.trainer.optimizer) if x is not None]
+    release(attempt.trainer)
+    attempt.trainer = attempt.model = None
+    memory.free_gpu()
+    freed = {"previous_attempt_freed": all(r() is None for r in failed)} | {
+        k: round(v, 4) for k, v in memory.stats().items() if k in ("alloc_gib", "reserved_gib")}
+    if not freed["previous_attempt_freed"]:
+        print(f"train: WARNING: the failed attempt is still reachable ({_holders(failed)}); the rebuild may run out too")
+    return freed
 
 
 def _holders(refs: list) -> str:
@@ -224,6 +285,73 @@ def _holders(refs: list) -> str:
 
     alive = [r() for r in refs if r() is not None]
     return "; ".join(f"{type(x).__name__} held by " + ", ".join(sorted({type(h).__name__ for h in gc.get_referrers(x)})[:6]) for x in alive)
+
+
+def _save_adapter(final: Attempt, whole: dict | None, out_dir: Path) -> int:
+    """Process 0 writes the adapter (`whole`: gathered from FSDP shards); every process lets go of the model.
+    Its trainable parameters (a shard counts its whole tensor)."""
+    release(final.trainer)
+    if final.trainer.is_world_process_zero():
+        final.model.save_pretrained(out_dir / "adapter", safe_serialization=True, **({"state_dict": whole} if whole else {}))
+    trainable = sum(p.numel() for p in final.model.parameters() if p.requires_grad)
+    # Trainer and model hold each other through cycles (callbacks, hooks, Liger's bound forward):
+    # collected here, inside the stage, or the next stage would start with this model still allocated.
+    final.model = None
+    memory.free_gpu()
+    return trainable
+
+
+def _memory_extra(cfg: RunConfig, final: Attempt, recoveries: list[dict], ranks: list[dict] | None, world: int) -> dict:
+    """The train stage's figures in memory.json beside the peaks."""
+    extra = {"steps_this_process": final.trainer.state.global_step - (step_of(final.resume) if final.resume else 0),
+             "oom_recoveries": recoveries, "fit": memory.jsonable(final.fit)}
+    if ranks:  # each process's own peak: with fsdp, what one GPU holds of the sharded model
+        extra |= {"per_rank": ranks,
+                  "distributed": {"kind": cfg.training.distributed, "processes": world, "machines": cfg.training.num_machines}}
+    return extra
+
+
+def _result(cfg: RunConfig, final: Attempt, recoveries: list[dict], trainable: int, report: MemoryReport,
+            out_dir: Path) -> TrainResult:
+    """Process 0's result: losses and evals from the Trainer's state, the plots, the memory report."""
+    trainer = final.trainer
+    losses = [e for e in trainer.state.log_history if "loss" in e]
+    evals = evaluation(trainer, cfg)
+    tokens = final.collator.tokens(trainer.micro_batches) * trainer.args.world_size  # each DDP rank trains its own share
+    return TrainResult(
+        adapter_dir=out_dir / "adapter",
+        steps=trainer.state.global_step,
+        first_loss=losses[0]["loss"] if losses else float("nan"),
+        final_loss=losses[-1]["loss"] if losses else float("nan"),
+        train_tokens=tokens,
+        tokens_per_s=round(tokens / final.wall_s, 1) if final.wall_s > 0 else 0.0,
+        trainable_params=trainable,
+        resumed_from=str(final.resume) if final.resume else None,
+        loss_png=plot_loss(losses, out_dir, evals["eval_curve"]),
+        memory=report,
+        oom_recoveries=recoveries,
+        memory_png=plot_memory(out_dir, _budget_gib(cfg)),
+        fit=memory.jsonable(final.fit),
+        batches=asdict(final.plan),
+        **evals,
+    )
+
+
+def _track(tracker: Tracker, result: TrainResult, out_dir: Path, done: Path) -> None:
+    """The plots, the eval record and the result file to the trackers (process 0; after the others have the result)."""
+    tracker.finish(result.steps, [result.loss_png, result.memory_png, out_dir / "eval_loss.jsonl", done],
+                   {k: getattr(result, k) for k in ("final_loss", "tokens_per_s", "best_step", "best_eval_loss", "stopped_early", "adapter_step")})
+
+
+def _on_every_process(result: TrainResult | None, cfg: RunConfig, out_dir: Path) -> TrainResult:
+    """Process 0's result (None in the others), as it saved it, in every process. Every process must call it.
+    A machine other than 0 keeps a copy for its launcher, which may not see machine 0's files."""
+    record = sharding.from_process_zero(result_files.load(out_dir, "train") if result is not None else None)
+    if result is not None:
+        return result
+    if cfg.training.machine_rank > 0 and os.environ.get("LOCAL_RANK") == "0":
+        launch.machine_result(out_dir, cfg.training.machine_rank).write_text(json.dumps(record, indent=2))
+    return TrainResult.from_record(record, skipped=False)
 
 
 def _describe_eval(cfg: RunConfig, rows: list[dict], every: int | None) -> str:
@@ -268,114 +396,10 @@ def choose_fit(cfg: RunConfig, model, train_rows, collator, out_dir: Path, lengt
     return fit
 
 
-def next_attempt(cfg: RunConfig, report: dict, retried: int, packed: bool, longest: int, plan, resume_from: Path | None,
-                 freed: dict) -> tuple[RunConfig, dict]:
-    """The OOM policy: from a failed attempt's post-mortem (`report`: its step, phase, batch and file), the config the
-    next attempt trains with and the record of this recovery (with `freed`, what freeing the attempt left).
-
-    fit: speed measured too tight a fit: the next attempt checkpoints every layer (fit: memory) at the same micro-batch.
-    Otherwise the micro-batch halves (halve_micro_batch: the same samples per step), resuming from `resume_from`, at
-    most training.oom_retries times (`retried` so far).
-
-    Raises:
-        TrainOOMError: no retry is left, or no smaller micro-batch is possible; it names the batch and the post-mortem.
-    """
-    t = cfg.training
-    if t.fit == "speed":
-        return (cfg.model_copy(update={"training": t.model_copy(update={"fit": "memory"})}),
-                {"step": report["step"], "postmortem": report["path"], "fit": "memory"} | freed)
-    smaller = halve_micro_batch(cfg, packed, longest)
-    if retried >= t.oom_retries or smaller is None:
-        what = f"{plan.tokens_per_micro_batch}-token packed micro-batches" if packed else f"micro-batch {t.per_device_train_batch_size}"
-        why = ("no smaller micro-batch is possible" if smaller is None else
-               f"training.oom_retries is {t.oom_retries}" if not retried else f"{t.oom_retries} retries used")
-        raise TrainOOMError(
-            f"CUDA out of memory at step {report['step']} with {what} (rows {report['batch']['ids'][:4]}); {why}. "
-            f"Post-mortem: {report['path']}. Run the preflight with this budget to get a change that fits."
-        )
-    s = smaller.training
-    return smaller, ({"step": report["step"], "postmortem": report["path"], "resumed_from": str(resume_from),
-                      "per_device_train_batch_size": s.per_device_train_batch_size,
-                      "gradient_accumulation_steps": s.gradient_accumulation_steps}
-                     | ({"max_tokens_per_batch": s.max_tokens_per_batch} if packed else {}) | freed)
-
-
-def describe_recovery(report: dict, recovery: dict) -> str:
-    """The log line of one OOM recovery."""
-    if recovery.get("fit") == "memory":
-        return f"train: CUDA OOM at step {report['step']} with fit: speed; post-mortem {report['path']}; resuming with fit: memory"
-    batch = (f"{recovery['max_tokens_per_batch']}-token micro-batches" if "max_tokens_per_batch" in recovery
-             else f"micro-batch {recovery['per_device_train_batch_size']}")
-    return (f"train: CUDA OOM at step {report['step']}{' during eval' if report['phase'] == 'eval' else ''}; post-mortem "
-            f"{report['path']}; {recovery.get('alloc_gib', 0):.2f} GiB still allocated after freeing the attempt; resuming with "
-            f"{batch} x accumulation {recovery['gradient_accumulation_steps']}")
-
-
-def halve_micro_batch(cfg: RunConfig, packed: bool, longest: int) -> RunConfig | None:
-    """Half the micro-batch (packed: half the widest micro-batch's tokens, never below the longest sample) and,
-    where a step is counted in micro-batches, twice the accumulation: the same samples per step; None when it
-    cannot get smaller."""
-    t = cfg.training
-    if packed:
-        tokens = min(cfg.token_budget(), cfg.widest_packed(longest)) // 2
-        if tokens < longest:
-            return None
-        # by samples a step keeps its samples in more micro-batches; by tokens it needs twice as many of them
-        update = {"max_tokens_per_batch": tokens} | ({} if t.packed_step == "samples" else
-                                                     {"gradient_accumulation_steps": t.gradient_accumulation_steps * 2})
-        return cfg.model_copy(update={"training": t.model_copy(update=update)})
-    if t.per_device_train_batch_size == 1:
-        return None
-    return cfg.model_copy(update={"training": t.halved()})
-
-
-def postmortem(err: BaseException, cfg: RunConfig, trainer, model, collator: batches.Collator, path: Path) -> dict:
-    """What was in memory when it ran out: the batch, the allocator, what requires grad."""
-    stats = memory.stats()
-    evaluating = getattr(trainer, "evaluating", False)
-    leaked = [n for n, p in model.named_parameters() if p.requires_grad and "lora_" not in n]
-    report = {
-        "path": str(path),
-        "error": str(err).split("\n")[0][:500],
-        "step": trainer.state.global_step + (0 if evaluating else 1),  # eval runs after its step ended
-        "phase": "eval" if evaluating else "train",
-        "batch": collator.batch(trainer.micro_batches - 1),  # the one training when memory ran out (or the last, in eval)
-        "per_device_train_batch_size": cfg.training.per_device_train_batch_size,
-        "gradient_accumulation_steps": cfg.training.gradient_accumulation_steps,
-        "memory_gib": stats,
-        "fragmentation_gib": (stats["reserved_gib"] - stats["alloc_gib"]) if "reserved_gib" in stats else None,
-        "non_lora_params_requiring_grad": leaked[:20],
-        "trainable_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
-    }
-    if torch.cuda.is_available():
-        report["memory_summary"] = torch.cuda.memory_summary()
-        if MemorySnapshot.recording:
-            snap = path.with_suffix(".pickle")
-            torch.cuda.memory._dump_snapshot(str(snap))
-            report["snapshot"] = str(snap)
-    path.write_text(json.dumps(report, indent=2))
-    return report
-
-
-def is_dataloader_shm_error(e: BaseException) -> bool:
-    text = str(e).lower()
-    return "dataloader worker" in text and ("shared memory" in text or "bus error" in text or "shm" in text)
-
-
 def _budget_gib(cfg: RunConfig) -> float | None:
     if cfg.preflight.gpu_memory_gib:
         return cfg.preflight.gpu_memory_gib
     return torch.cuda.get_device_properties(0).total_memory / memory.GIB if torch.cuda.is_available() else None
-
-
-def _load_result(d: dict) -> TrainResult:
-    mem = d.pop("memory")
-    mem.pop("peak_gib", None)
-    return TrainResult(
-        **{k: Path(v) if k in ("adapter_dir", "loss_png", "memory_png") and v else v for k, v in d.items() if k != "skipped"},
-        memory=MemoryReport(**mem) if mem else None,
-        skipped=True,
-    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -395,6 +419,6 @@ def main(argv: list[str] | None = None) -> None:
 
     out = a.out or RunPaths.for_run(cfg).stage("train")
     r = run(cfg, out)
-    if r is None:  # a DDP rank other than 0
+    if int(os.environ.get("RANK", "0")) > 0 or cfg.training.machine_rank > 0:  # said once, by process 0 of machine 0
         return
     print(f"adapter: {r.adapter_dir}  steps {r.steps}  loss {r.first_loss:.3f} -> {r.final_loss:.3f}  {r.tokens_per_s:.0f} tok/s")
