@@ -29,8 +29,8 @@ def resolve_auto(cfg: RunConfig, *, on_gpu: bool, liger: bool = True, bnb: bool 
     """
     t = cfg.training
     memory_first = on_gpu and t.fit == "memory"
-    # Packing is on where it was measured faster: CPU (bench/results/packing_cpu.json, 1.92x plain peft) and a GPU
-    # with torch's varlen flash kernel (bench/results/packing/, R7 (docs/benchmarks.md) on the H200: 3.2-3.7x peft + Liger, less memory).
+    # Packing is on where it was measured faster: CPU (bench/packing_speed/results/packing_cpu.json, 1.92x plain peft) and a GPU
+    # with torch's varlen flash kernel (bench/packing_speed/results/, R7 (docs/benchmarks.md) on the H200: 3.2-3.7x peft + Liger, less memory).
     packed = t.packing == "on" or (t.packing == "auto" and (not on_gpu or varlen))
     # The tiled MLP pays one more MLP forward per layer to keep the tokens x intermediate activations small:
     # worth it only when the widest micro-batch the data can make is long (padded: micro-batch x longest sample).
@@ -39,7 +39,7 @@ def resolve_auto(cfg: RunConfig, *, on_gpu: bool, liger: bool = True, bnb: bool 
     return {
         "packing": packed,
         "packed_attention": None if not packed else t.packed_attention if t.packed_attention != "auto"
-        # on CPU the per-sample loop: 1.45x the mask's speed on long-tailed data (bench/results/packing_cpu.json)
+        # on CPU the per-sample loop: 1.45x the mask's speed on long-tailed data (bench/packing_speed/results/packing_cpu.json)
         else "varlen" if varlen else "mask",
         "widest_micro_batch": widest,
         "fused_kernels": t.fused_kernels == "on" or (t.fused_kernels == "auto" and on_gpu and liger),
