@@ -13,7 +13,7 @@ Deployments (all served by this one process; each flow run is a subprocess):
                                      data fingerprint differs from the last published bundle's
 
 One GPU job at a time: the GPU stages hold a slot of the global concurrency limit `gpu`
-(one slot per host: TAE_GPU_SLOTS to change), set here (flows.gpu_slot).
+(one slot per host: TAE_GPU_SLOTS to change), set here (flows.host.gpu_slot).
 """
 
 from __future__ import annotations
@@ -29,10 +29,10 @@ from prefect.deployments import run_deployment
 from prefect.events import DeploymentEventTrigger, emit_event
 from prefect.events.worker import EventsWorker
 
-from flows.gpu_slot import ensure_gpu_limit
+from flows.host.gpu_slot import ensure_gpu_limit
 from flows.train_and_export import data_fingerprint, train_and_export
-from stages import champion, errors
-from stages.config import ConfigError, RunConfig, load_config
+from stages import champion, errors, inputs
+from stages.config import ConfigError, RunConfig
 
 PIPELINE = "train-and-export/default"
 EVENT = "dataset.updated"
@@ -53,7 +53,7 @@ def retrain_on_new_data(config: str = "configs/default.yaml", overrides: list[st
     for the same data start one run, not two.
     """
     log = get_run_logger()
-    cfg = load_config(config, overrides)
+    cfg = inputs.load(config, overrides)
     new, last = data_fingerprint(cfg), last_published_fingerprint(cfg)
     if new == last:
         log.info(f"data {new[:12]} is what the last bundle was trained on: nothing to do")
@@ -103,13 +103,13 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError("PREFECT_API_URL is not set: start `prefect server start --host 127.0.0.1` and export "
                               "PREFECT_API_URL=http://127.0.0.1:4200/api (deployments, schedules and events need a server)")
         if a.cmd == "notify":
-            cfg = load_config(a.config)
+            cfg = inputs.load(a.config)
             emit_event(event=EVENT, resource={"prefect.resource.id": f"train-and-export.dataset.{cfg.handoff.model_name}"},
                        payload={"config": a.config, "fingerprint": data_fingerprint(cfg)})
             EventsWorker.drain_all()  # sent before this short process exits
             print(f"emitted {EVENT} for {a.config}")
             return
-        load_config(a.config)  # a broken default config fails here, not at the first scheduled run
+        inputs.load(a.config)  # a broken default config fails here, not at the first scheduled run
         print(f"gpu concurrency limit: {ensure_gpu_limit()} slot(s)")
         serve(*deployments(a.config, a.cron), limit=a.limit)
 

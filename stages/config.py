@@ -23,7 +23,7 @@ import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 # ConfigError lives in stages.errors, so that modelio raises it without importing the config; it is still stages.config.ConfigError.
-from stages.errors import ConfigError, UserError
+from stages.errors import ConfigError
 
 # Micro-batches of this many tokens or more get the tiled MLP (training.tiled_mlp: auto).
 TILE_FROM_TOKENS = 32768
@@ -488,7 +488,8 @@ class RunConfig(Section):
 
 
 def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConfig:
-    """Read a YAML run config, apply `section.key=value` overrides, validate everything.
+    """Read a YAML run config, apply `section.key=value` overrides, validate it against the schema. Whether its
+    inputs exist (the model, the data, writable directories) is stages.inputs.load's question.
 
     Args:
         path: the YAML file.
@@ -515,9 +516,6 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConf
         cfg = RunConfig.model_validate(raw)
     except ValidationError as e:
         raise ConfigError(_explain(path, e)) from None
-    problems = _check_inputs(cfg)
-    if problems:
-        raise ConfigError(f"{path}: config cannot run:\n" + "\n".join(f"  - {p}" for p in problems))
     return cfg
 
 
@@ -597,60 +595,6 @@ def _section_at(loc: tuple) -> type[BaseModel] | None:
             return None
         model = ann
     return model
-
-
-def _check_inputs(cfg: RunConfig) -> list[str]:
-    """Inputs that must exist before anything runs."""
-    from stages.modelio import resolve_model_dir
-
-    problems = []
-    try:
-        model_dir = resolve_model_dir(cfg.model.name_or_path)
-    except UserError as e:
-        problems.append(f"model.name_or_path: {e}")
-    else:
-        from stages.modelcheck import check_model_dir
-
-        problems += [f"model.name_or_path: {p}" for p in check_model_dir(model_dir, cfg.model.trust_remote_code)]
-    inputs = [("data.train_file", cfg.data.train_file), ("data.eval_file", cfg.data.eval_file)]
-    inputs += [(f"data.sources[{k}].path", Path(src.path)) for k, src in enumerate(cfg.data.sources)]
-    for key, f in inputs:
-        if f is not None and not f.exists() and not _hub_id_in_cache(str(f)):
-            problems.append(f"{key}: {f.resolve()} does not exist (nor is {str(f)!r} a dataset in the local HF cache); point it at "
-                            "a data file, a folder of them, or a dataset saved with save_to_disk")
-    for key, d in (("artifacts_dir", cfg.artifacts_dir), ("handoff.dir", cfg.handoff.dir / cfg.handoff.model_name)):
-        problem = _unwritable_dir(d)
-        if problem:
-            problems.append(f"{key}: {problem}; point {key} at a directory this user can write (it is created if missing)")
-    if cfg.smoke.check == "exact" and cfg.data.eval_file is None and not cfg.data.eval_split:
-        problems.append("smoke.check is `exact` but there is no held-out data; set data.eval_file or data.eval_split, "
-                        "or use smoke.check: stops")
-    return problems
-
-
-def _unwritable_dir(d: Path) -> str | None:
-    """Why the run could not create files in directory `d` (made first, as the run makes it), or None. Tried, not read
-    off permission bits: root ignores them, a read-only mount does not."""
-    import os
-    import tempfile
-
-    for p in reversed((d, *d.parents)):
-        if p.is_symlink() and not p.exists():
-            return f"{p} is a symbolic link to {os.readlink(p)}, which does not exist"
-        if p.exists() and not p.is_dir():
-            return f"{p.resolve()} is a file, not a directory"
-    existing = next(p for p in (d, *d.parents) if p.exists())
-    try:
-        with tempfile.NamedTemporaryFile(dir=existing, prefix=".tae-write-check-"):
-            return None
-    except OSError as e:
-        return f"{existing.resolve()} cannot be written ({e.strerror or e})"
-
-
-def _hub_id_in_cache(name: str) -> bool:
-    from stages.data import _hub_cache_files
-
-    return "/" in name and not name.startswith((".", "/")) and bool(_hub_cache_files(name))
 
 
 def reference_markdown() -> str:

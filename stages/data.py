@@ -271,7 +271,7 @@ _READ_KEEP = 8   # sources kept parsed: a run reads its train, eval and mixed so
 
 def _signature(p: Path) -> tuple:
     """What changes when a source's bytes do: each file's name, size and modification time (a hub id's cached files)."""
-    files = sorted(f for f in p.rglob("*") if f.is_file()) if p.is_dir() else [p] if p.is_file() else _hub_cache_files(str(p))
+    files = sorted(f for f in p.rglob("*") if f.is_file()) if p.is_dir() else [p] if p.is_file() else hub_cache_files(str(p))
     return tuple((str(f), st.st_size, st.st_mtime_ns) for f in files for st in [f.stat()])
 
 
@@ -415,11 +415,11 @@ def input_files(cfg) -> list[Path]:
         elif p.is_file():
             files.append(p)
         else:  # a hub id: its files in the local cache
-            files += _hub_cache_files(str(p))
+            files += hub_cache_files(str(p))
     return files
 
 
-def _hub_cache_files(name: str) -> list[Path]:
+def hub_cache_files(name: str) -> list[Path]:
     import os
 
     home = Path(os.environ.get("HF_HOME", Path.home() / ".cache" / "huggingface"))

@@ -34,14 +34,23 @@ import time
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from stages import champion, checksums, errors, paths
+from stages.artifact import Artifact
 from stages.checksums import sha256_dir, sha256_file
 from stages.config import RunConfig
 from stages.errors import DiskFull, RunError
 from stages.export import modelcard, quant_types
 from stages.memory import MemoryReport, track
 from stages.modelio import resolve_model_dir
+
+if TYPE_CHECKING:
+    from stages.export.stage import ExportResult
+    from stages.merge import MergeResult
+    from stages.preflight import PreflightResult
+    from stages.smoke import SmokeResult
+    from stages.train.stage import TrainResult
 
 PACKAGES = ("torch", "transformers", "peft", "accelerate", "bitsandbytes", "llama_cpp_python", "gguf", "prefect")
 
@@ -55,6 +64,9 @@ class HandoffResult:
     memory: MemoryReport | None
     promoted: bool = True        # `latest` points at this bundle (champion.compare found it no worse)
     comparison: str = ""         # the champion/challenger table (Markdown), also comparison.md in the bundle
+
+    def artifacts(self) -> list[Artifact]:
+        return [Artifact("champion-challenger", f"{self.version} against the bundle `latest` pointed at", markdown=self.comparison)]
 
 
 def run(
@@ -137,6 +149,41 @@ def run(
         if verdict.promote:
             _point_latest(root, version)
     return HandoffResult(final, final / "manifest.json", version, names, meter.report, verdict.promote, verdict.markdown())
+
+
+def from_stages(cfg: RunConfig, run_id: str, data_fingerprint: str, flow_run_id: str | None, pre: PreflightResult,
+                tr: TrainResult, mg: MergeResult, ex: ExportResult, sm: SmokeResult, out_dir: Path) -> HandoffResult:
+    """Publish the bundle of one pipeline run (`run`) from what its stages returned.
+
+    The manifest records the adapter, each GGUF's smoke and fidelity figures, every stage's memory, the merge, the
+    importance matrix (shipped in the bundle only where a kept file was quantized with it) and the training figures.
+
+    Args:
+        run_id: the run's id, the bundle's version.
+        data_fingerprint: the train and eval files' content (data.fingerprint), what retraining compares.
+        flow_run_id: the Prefect flow run's id, recorded in the manifest; None outside one.
+        pre, tr, mg, ex, sm: the Results of preflight, train, merge, export and smoke.
+        out_dir: the run's handoff stage directory.
+    """
+    imat = ex.imatrix
+    return run(cfg, run_id, ex.gguf_files(), out_dir, adapter_dir=tr.adapter_dir, data_fingerprint=data_fingerprint,
+               smoke=smoke_figures(sm), memory=stage_memory(pre, tr, mg, ex, sm), fidelity=ex.fidelity_table(),
+               merge={"base": mg.base, "save_dtype": mg.save_dtype, "kl": mg.kl},
+               extra_files=[Path(imat["file"])] if imat and imat.get("used_by") else [],
+               extra={"prefect_flow_run_id": flow_run_id, "imatrix": imat and {**imat, "file": Path(imat["file"]).name},
+                      "train": {"steps": tr.steps, "first_loss": tr.first_loss, "final_loss": tr.final_loss, "fit": tr.fit,
+                                "best_eval_loss": tr.best_eval_loss}})
+
+
+def smoke_figures(sm: SmokeResult) -> dict:
+    """Per GGUF what the smoke test measured, under llama.cpp and through its server (without the example answers)."""
+    return {f.quant: {"accuracy": f.accuracy, "passed": f.passed, "n_prompts": f.n_prompts, "gen_tokens_per_s": f.gen_tokens_per_s,
+                      "n_gpu_layers": f.plan.n_gpu_layers,
+                      "served": {k: v for k, v in (f.served or {}).items() if k != "examples"} or None} for f in sm.files}
+
+
+def stage_memory(pre: PreflightResult, tr: TrainResult, mg: MergeResult, ex: ExportResult, sm: SmokeResult) -> dict:
+    return {"preflight": pre.memory, "train": tr.memory, "merge": mg.memory, "export": ex.memory, "smoke": sm.memory}
 
 
 FICLONE = 0x40049409  # linux/fs.h: share the source's blocks, copy-on-write (btrfs, XFS, bcachefs, overlayfs on those)

@@ -24,8 +24,9 @@ from pathlib import Path
 import torch
 from peft import PeftModel
 
-from stages import errors, expert_lora, expert_nf4, memory, moe, result_files
-from stages.config import RunConfig, load_config
+from stages import errors, expert_lora, expert_nf4, inputs, memory, moe, result_files
+from stages.artifact import Artifact
+from stages.config import RunConfig
 from stages.errors import MissingInput
 from stages.export import fidelity
 from stages.memory import MemoryReport
@@ -46,6 +47,9 @@ class MergeResult:
     # QLoRA: mean KL(adapter on the NF4 base it trained with || merged) per choice, and top-1 agreement
     kl: dict = field(default_factory=dict)
 
+    def artifacts(self) -> list[Artifact]:
+        return []  # its figures are in the merge's memory table and the hand-off manifest
+
 
 def run(cfg: RunConfig, adapter_dir: Path, out_dir: Path) -> MergeResult:
     """Merge `adapter_dir` into the base model and save it to <out_dir>/model.
@@ -59,9 +63,8 @@ def run(cfg: RunConfig, adapter_dir: Path, out_dir: Path) -> MergeResult:
     """
     out_dir, adapter_dir = Path(out_dir), Path(adapter_dir)
     merged_dir = out_dir / "model"
-    if result_files.done(out_dir, "merge"):
+    if (d := result_files.load_if_done(out_dir, "merge")) is not None:
         print(f"merge: already merged in {merged_dir}; skipping")
-        d = result_files.load(out_dir, "merge")
         return MergeResult(merged_dir, d["save_dtype"], d["max_abs_logit_diff"], None, skipped=True, base=d.get("base", "16bit"),
                            kl=d.get("kl", {}))
     if not (adapter_dir / "adapter_config.json").is_file():
@@ -166,7 +169,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--adapter", type=Path, required=True, help="the train stage's adapter directory")
     ap.add_argument("--out", type=Path, required=True, help="stage directory; the model goes to <out>/model")
     a = ap.parse_args(argv)
-    r = run(load_config(a.config), a.adapter, a.out)
+    r = run(inputs.load(a.config), a.adapter, a.out)
     print(f"merged model: {r.merged_dir} ({r.save_dtype}, max |logit diff| {r.max_abs_logit_diff:.2e})")
 
 

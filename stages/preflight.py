@@ -28,8 +28,9 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from stages import architecture, checks, data, memory, result_files
-from stages.config import ConfigError, RunConfig, load_config
+from stages import architecture, checks, data, inputs, memory, result_files
+from stages.artifact import Artifact
+from stages.config import ConfigError, RunConfig
 from stages.errors import UserError
 from stages.memory import CUDA_CONTEXT_GIB, GIB, MemoryReport
 from stages.memory_model import Estimate, Shapes, estimate, loss_mode
@@ -116,6 +117,9 @@ class PreflightResult:
         need = max(p.step_need_gib, p.eval_need_gib or 0.0)
         return round(max(need * NEED_SCALE + NEED_PLUS_GIB, p.build_pages_gib or 0.0), 4)
 
+    def artifacts(self) -> list[Artifact]:
+        return [Artifact("preflight-report", "Preflight memory estimate", markdown=self.report_md.read_text())]
+
 
 def run(cfg: RunConfig, out_dir: Path, gpu_memory_gib: float | None = None, *, train_only: bool = False) -> PreflightResult:
     """Scan the data, estimate the worst step, probe it on a GPU; raise PreflightError if it does not fit.
@@ -139,9 +143,9 @@ def run(cfg: RunConfig, out_dir: Path, gpu_memory_gib: float | None = None, *, t
         # the estimate and the probe measure; on a GPU it comes off the budget first.
         usable = (budget - (CUDA_CONTEXT_GIB if on_gpu else 0.0)) * (1 - cfg.preflight.margin)
         eval_rows = eval_loss.rows(cfg, tokenizer) if eval_loss.eval_steps(cfg, True) else []
-        widen_for_eval(cfg, eval_rows, lengths, resolve_auto(cfg, on_gpu=on_gpu, longest=lengths.max)["packing"])
         settings = resolve_auto(cfg, on_gpu=on_gpu, longest=lengths.max)
         lengths.worst_batch_tokens, lengths.packed = settings["widest_micro_batch"], settings["packing"]
+        widen_for_eval(cfg, eval_rows, lengths, settings["packing"])  # padded: a longer eval sample widens the worst micro-batch
         if settings["packing"] and lengths.max > cfg.token_budget():
             raise ConfigError(f"training.max_tokens_per_batch is {cfg.token_budget()}, shorter than the longest sample "
                               f"({lengths.max} tokens, {lengths.longest_id}); set it to at least {lengths.max}")
@@ -456,8 +460,9 @@ def widen_for_eval(cfg: RunConfig, rows: list[dict], lengths: LengthScan, packed
     if packed and longest > cfg.token_budget():
         raise ConfigError(f"training.max_tokens_per_batch is {cfg.token_budget()}, shorter than the longest eval sample "
                           f"({longest} tokens, {rows[i]['id']}); set it to at least {longest}")
-    if not packed:
+    if not packed:  # padded, the worst micro-batch is micro-batch x longest sample (as scan_lengths and resolve_auto size it)
         lengths.max, lengths.longest_id = longest, f"{rows[i]['id']} (eval)"
+        lengths.worst_batch_tokens = cfg.training.per_device_train_batch_size * longest
 
 
 def eval_worst(cfg: RunConfig, rows: list[dict]) -> list[int]:
@@ -647,7 +652,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", type=Path, help="stage directory (default: artifacts/runs/<new id>/preflight)")
     ap.add_argument("--train-only", action="store_true", help="the export runs elsewhere: skip its tool and disk checks")
     a = ap.parse_args(argv)
-    cfg = load_config(a.config, a.set)
+    cfg = inputs.load(a.config, a.set)
     from stages.paths import RunPaths
 
     run(cfg, a.out or RunPaths.for_run(cfg).stage("preflight"), a.gpu_memory_gib, train_only=a.train_only)

@@ -40,11 +40,17 @@ def load(stage_dir: Path, stage: str) -> dict:
 
 def done(stage_dir: Path, stage: str) -> bool:
     """The stage's result file is there, and so is every output it stands for (the export's: every GGUF it lists)."""
+    return load_if_done(stage_dir, stage) is not None
+
+
+def load_if_done(stage_dir: Path, stage: str) -> dict | None:
+    """The stage's result, read once, when the stage is done (`done`); None when it is still to run."""
     stage_dir = Path(stage_dir)
     result = path(stage_dir, stage)
     if not result.is_file():
-        return False
+        return None
+    record = json.loads(result.read_text())
     files = [stage_dir / f for f in OUTPUTS.get(stage, [])]
     if stage == "export":
-        files += [Path(f["path"]) for f in json.loads(result.read_text()).get("files", [])]
-    return all(f.exists() for f in files)
+        files += [Path(f["path"]) for f in record.get("files", [])]
+    return record if all(f.exists() for f in files) else None

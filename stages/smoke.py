@@ -25,8 +25,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from stages import data, memory, result_files
-from stages.config import RunConfig, SmokeSection, load_config
+from stages import data, inputs, memory, result_files
+from stages.artifact import Artifact
+from stages.config import RunConfig, SmokeSection
 from stages.errors import MissingInput, UserError
 from stages.export import llamacpp, serving
 from stages.export.llamacpp_process import LlamaCrashed, LlamaProcess
@@ -77,6 +78,11 @@ class SmokeResult:
     files: list[SmokeFile]
     memory: MemoryReport | None
     passed: bool
+
+    def artifacts(self) -> list[Artifact]:
+        rows = [{"quant": f.quant, "accuracy": f.accuracy, "passed": f.passed, "prompts": f.n_prompts, "gen_tok_s": f.gen_tokens_per_s,
+                 "n_gpu_layers": f.plan.n_gpu_layers} for f in self.files]
+        return [Artifact("smoke-results", "llama.cpp smoke test per GGUF", table=rows)]
 
 
 def run(cfg: RunConfig, gguf_files: list[tuple[str, Path]], out_dir: Path) -> SmokeResult:
@@ -221,7 +227,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", type=Path, required=True)
     a = ap.parse_args(argv)
     files = [(p.stem.removeprefix("model-"), p) for p in a.gguf]
-    for f in run(load_config(a.config), files, a.out).files:
+    for f in run(inputs.load(a.config), files, a.out).files:
         print(f"{f.path.name}: {f.passed}/{f.n_prompts} passed, {f.gen_tokens_per_s} gen tok/s")
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import yaml
 
+from stages import inputs
 from stages.config import ConfigError, load_config
 from tests.conftest import DEFAULT, write_config
 
@@ -35,7 +36,7 @@ def test_unknown_section_and_wrong_type(tmp_path):
 def test_missing_model_path_says_how_to_fix(tmp_path):
     path = write_config(tmp_path, model={"name_or_path": str(tmp_path / "nope")})
     with pytest.raises(ConfigError, match=r"model.name_or_path: .*nope.* is neither a local directory nor a model in the HF cache"):
-        load_config(path)
+        inputs.load(path)
 
 
 def test_model_dir_without_safetensors_is_refused(tmp_path):
@@ -45,13 +46,14 @@ def test_model_dir_without_safetensors_is_refused(tmp_path):
     (d / "pytorch_model.bin").write_bytes(b"pickle")
     path = write_config(tmp_path, model={"name_or_path": str(d)})
     with pytest.raises(ConfigError, match="only safetensors are loaded"):
-        load_config(path)
+        inputs.load(path)
 
 
 def test_missing_data_file(tmp_path):
     path = write_config(tmp_path, data={"train_file": str(tmp_path / "missing.jsonl")})
     with pytest.raises(ConfigError, match=r"data.train_file: .*missing.jsonl does not exist"):
-        load_config(path)
+        inputs.load(path)
+    assert load_config(path).data.train_file.name == "missing.jsonl"   # the schema alone reads no input
 
 
 def test_unknown_quant_type(tmp_path):

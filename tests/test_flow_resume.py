@@ -28,14 +28,17 @@ def _task_states(flow_run_id) -> dict[str, str]:
 def test_rerun_after_a_failure_skips_training(tmp_path, monkeypatch, prefect_harness):
     from flows.train_and_export import train_and_export
 
+    def crash(*args, **kwargs):
+        raise RuntimeError("injected failure at the start of merge")
+
     cfg = str(write_config(tmp_path, training={"max_steps": 10, "save_steps": 5}, smoke={"min_accuracy": 0.0, "max_prompts": 5}))
-    monkeypatch.setenv("TAE_FAIL_STAGE", "merge")
-    failed = train_and_export(config=cfg, run_id="resume-me", return_state=True)
+    with monkeypatch.context() as m:
+        m.setattr("stages.merge.run", crash)  # what the merge task calls, looked up when it starts
+        failed = train_and_export(config=cfg, run_id="resume-me", return_state=True)
     assert failed.is_failed() and "injected failure at the start of merge" in str(failed.message)
     train_dir = tmp_path / "artifacts" / "runs" / "resume-me" / "train"
     trained_at = (train_dir / "train_result.json").stat().st_mtime_ns
 
-    monkeypatch.delenv("TAE_FAIL_STAGE")
     again = train_and_export(config=cfg, run_id="resume-me", return_state=True)
     assert again.is_completed()
     states = _task_states(again.state_details.flow_run_id)

@@ -15,7 +15,7 @@ def test_without_a_server_runs_queue_on_a_host_lock(tmp_path, monkeypatch):
     other's slots: a file lock keeps their GPU stages apart, and the second says whom it waits for."""
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from flows import gpu_slot
+    from flows.host import gpu_slot
 
     lock = tmp_path / "gpu.lock"
     monkeypatch.setenv("TAE_GPU_LOCK", str(lock))
@@ -23,7 +23,7 @@ def test_without_a_server_runs_queue_on_a_host_lock(tmp_path, monkeypatch):
     holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import time
         from pathlib import Path
-        from flows.gpu_slot import host_lock
+        from flows.host.gpu_slot import host_lock
         with host_lock(Path({str(lock)!r}), "stage train of run A"):
             print("held", flush=True)
             time.sleep(3)
@@ -42,10 +42,10 @@ def test_without_a_server_runs_queue_on_a_host_lock(tmp_path, monkeypatch):
 
 def test_a_crashed_holder_does_not_keep_the_gpu(tmp_path):
     """flock is released by the kernel when its process dies, even by SIGKILL: no stale lock file to clean."""
-    from flows.gpu_slot import host_lock
+    from flows.host.gpu_slot import host_lock
 
     lock = tmp_path / "gpu.lock"
-    holder = subprocess.Popen([sys.executable, "-c", f"from pathlib import Path\nfrom flows.gpu_slot import host_lock\n"
+    holder = subprocess.Popen([sys.executable, "-c", f"from pathlib import Path\nfrom flows.host.gpu_slot import host_lock\n"
                                f"import time\nwith host_lock(Path({str(lock)!r}), 'x'):\n    print('held', flush=True)\n    time.sleep(60)"],
                               cwd=REPO, stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline().strip() == "held"
@@ -59,7 +59,7 @@ def test_a_crashed_holder_does_not_keep_the_gpu(tmp_path):
 def test_with_a_server_the_limit_is_created_on_first_use(prefect_harness, monkeypatch):
     from prefect.client.orchestration import get_client
 
-    from flows import gpu_slot
+    from flows.host import gpu_slot
 
     monkeypatch.setenv("TAE_GPU_IDS", "GPU-test0")
 
@@ -105,7 +105,7 @@ def test_no_gpu_no_lock_and_the_lock_is_named_for_its_gpus(tmp_path, monkeypatch
     lock file and its holder name the GPUs, so runs pinned to other GPUs do not wait."""
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from flows import gpu_slot
+    from flows.host import gpu_slot
 
     monkeypatch.delenv("TAE_GPU_LOCK", raising=False)
     monkeypatch.setenv("TAE_GPU_IDS", "")

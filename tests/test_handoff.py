@@ -127,6 +127,40 @@ def test_disk_full_mid_write_publishes_nothing(tmp_path, monkeypatch):
     assert (root / "latest").resolve() == a.bundle_dir.resolve()
 
 
+def test_the_flow_s_hand_off_records_what_the_stages_returned(tmp_path):
+    """handoff.from_stages, as the flow calls it: the manifest holds each stage's figures (the served examples left out),
+    and the importance matrix ships because a kept file was quantized with it."""
+    from types import SimpleNamespace as Result
+
+    from stages.export.stage import ExportResult, GgufFile
+
+    cfg = load_config(write_config(tmp_path))
+    f = gguf(tmp_path, "model-Q4_K_M.gguf", b"one")
+    (tmp_path / "imatrix.gguf").write_bytes(b"importance")
+    ex = ExportResult(tmp_path / "model-f16.gguf", [GgufFile("Q4_K_M", f, 15, 0.1, {"Q4_K": 1})], "test", None,
+                      imatrix={"file": str(tmp_path / "imatrix.gguf"), "dataset": "train", "chunks": 2, "tensors": 1, "choices": {},
+                               "used_by": ["Q4_K_M"]})
+    from stages.export.serving import Served
+
+    served = Served(5, 5, 1.0, 5, 0.2, 40.0, 1.5, examples=[{"prompt": "p", "answer": "a"}]).to_json()
+    sm = Result(memory=None, files=[Result(quant="Q4_K_M", accuracy=1.0, passed=5, n_prompts=5, gen_tokens_per_s=9.5,
+                                           plan=Result(n_gpu_layers=0), served=served)])
+    tr = Result(adapter_dir=tmp_path, steps=10, first_loss=2.0, final_loss=0.1, fit={"checkpointed_layers": 2}, best_eval_loss=0.5,
+                memory=None)
+    mg = Result(base="16bit", save_dtype="float32", kl={}, memory=None)
+    ho = handoff.from_stages(cfg, "v1", "f" * 64, "flow-run-1", Result(memory=None), tr, mg, ex, sm, tmp_path / "stage" / "v1")
+    m = json.loads(ho.manifest.read_text())
+    assert m["version"] == "v1" and m["data_fingerprint"] == "f" * 64 and m["prefect_flow_run_id"] == "flow-run-1"
+    assert m["smoke"]["Q4_K_M"] == {"accuracy": 1.0, "passed": 5, "n_prompts": 5, "gen_tokens_per_s": 9.5, "n_gpu_layers": 0,
+                                    "served": {k: v for k, v in served.items() if k != "examples"}}
+    assert "examples" not in m["smoke"]["Q4_K_M"]["served"] and m["smoke"]["Q4_K_M"]["served"]["mean_latency_s"] == 0.2
+    assert m["memory_peaks"] == dict.fromkeys(["preflight", "train", "merge", "export", "smoke"])
+    assert m["merge"] == {"base": "16bit", "save_dtype": "float32", "kl": {}} and m["fidelity"] == []
+    assert m["train"] == {"steps": 10, "first_loss": 2.0, "final_loss": 0.1, "fit": {"checkpointed_layers": 2}, "best_eval_loss": 0.5}
+    assert m["imatrix"]["file"] == "imatrix.gguf" and sorted(ho.files) == ["imatrix.gguf", "model-Q4_K_M.gguf"]
+    assert ho.artifacts()[0].key == "champion-challenger" and ho.artifacts()[0].markdown == ho.comparison
+
+
 def _judged(cfg, version, tmp_path, accuracy, kl, eval_loss):
     """Publish a bundle judged by these figures (what the flow passes: smoke, fidelity, the adapter's eval loss)."""
     f = gguf(tmp_path, f"model-Q4_K_M-{version}.gguf", version.encode())

@@ -29,8 +29,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from stages import data, errors, memory, result_files
-from stages.config import QUANT_FTYPES, RunConfig, load_config
+from stages import data, errors, inputs, memory, result_files
+from stages.artifact import Artifact
+from stages.config import QUANT_FTYPES, RunConfig
 from stages.errors import MissingInput
 from stages.export import convert, fidelity, imatrix, llamacpp, quant_types, vocab
 from stages.export.llamacpp_process import LlamaProcess
@@ -67,13 +68,24 @@ class ExportResult:
     seconds: dict = field(default_factory=dict)   # wall time of each step: convert, checks, each quant, fidelity
     imatrix: dict | None = None                   # export.imatrix: the file, what it was computed on, per type what was kept
 
+    def gguf_files(self) -> list[tuple[str, Path]]:
+        """The quantized files as (type, path): what smoke and the hand-off take."""
+        return [(f.quant, f.path) for f in self.files]
+
+    def fidelity_table(self) -> list[dict]:
+        """Each GGUF's fidelity to the merged model as plain rows, the unquantized one first."""
+        return [memory.jsonable(f) for f in self.fidelity]
+
+    def artifacts(self) -> list[Artifact]:
+        return [Artifact("fidelity", "Each GGUF vs the merged model on held-out texts (mean KL, top-1)", table=self.fidelity_table())]
+
 
 def run(cfg: RunConfig, merged_dir: Path, out_dir: Path) -> ExportResult:
     """Convert <merged_dir> to GGUF and quantize to every `export.quant_types` in <out_dir>."""
     out_dir, merged_dir = Path(out_dir), Path(merged_dir)
-    if result_files.done(out_dir, "export"):
+    if (saved := result_files.load_if_done(out_dir, "export")) is not None:
         print(f"export: GGUF files already in {out_dir}; skipping")
-        return _load(result_files.load(out_dir, "export"))
+        return _load(saved)
     if not (merged_dir / "config.json").is_file():
         raise MissingInput(f"{merged_dir.resolve()} is not a model directory; point --merged at the merge stage's `model` directory")
     converter = llamacpp.converter_dir()
@@ -104,7 +116,9 @@ def run(cfg: RunConfig, merged_dir: Path, out_dir: Path) -> ExportResult:
         checks["tokenization"] = vocab.check_tokenization(base, tokenizer, texts, base.name, model_dir)
         lap("tokenizer_checks")
         imat = importance_matrix(cfg, tokenizer, merged_dir, base, out_dir)
+        experts = None if imat is None else expert_coverage(imat)
         if imat is not None:
+            print(imatrix_summary(imat, experts))
             lap("imatrix")
         means = imat.means() if imat is not None else None
         made: list[GgufFile] = []  # every quantized file: plain, and with the imatrix where the type reads one
@@ -122,7 +136,7 @@ def run(cfg: RunConfig, merged_dir: Path, out_dir: Path) -> ExportResult:
     imatrix_info = None if imat is None else {
         "file": str(out_dir / IMATRIX_FILE), "tokens": imat.tokens, "chunks": imat.chunks, "dataset": imat.dataset,
         "tensors": len(imat.sums), "not_covered": imat.skipped, "seconds": imat.seconds, "choices": choices,
-        "experts": expert_coverage(imat),
+        "experts": experts,
         # the types whose kept file was quantized with it: the bundle ships imatrix.gguf only if there is one
         "used_by": [q for q, c in choices.items() if c["kept"] == "imatrix"]}
     result = ExportResult(base, files, llamacpp.runtime_version(), meter.report, checks=checks, fidelity=drift, seconds=seconds,
@@ -186,13 +200,16 @@ def importance_matrix(cfg: RunConfig, tokenizer, merged_dir: Path, base: Path, o
             memory.free_gpu()
         imat.write(tmp)
     tmp.rename(out_dir / IMATRIX_FILE)
-    experts = expert_coverage(imat)
-    print(f"export: importance matrix of {len(imat.sums)} tensors from {imat.dataset} in {imat.seconds:.1f} s -> {IMATRIX_FILE}"
-          + (f" ({len(imat.skipped)} linear layers have no GGUF tensor of their width: {', '.join(imat.skipped[:4])})" if imat.skipped else "")
-          + (f"; routed experts: {experts['covered']} of {experts['of']} expert matrices got calibration tokens"
-             + (f", none reached {', '.join(f'{n} {e}' for n, e in list(experts['without_data'].items())[:3])} (weighted evenly)"
-                if experts["without_data"] else "") if experts else ""))
     return imat
+
+
+def imatrix_summary(imat: imatrix.Imatrix, experts: dict | None) -> str:
+    """One line for the run's log: what the importance matrix covers (`experts`: expert_coverage's figures)."""
+    return (f"export: importance matrix of {len(imat.sums)} tensors from {imat.dataset} in {imat.seconds:.1f} s -> {IMATRIX_FILE}"
+            + (f" ({len(imat.skipped)} linear layers have no GGUF tensor of their width: {', '.join(imat.skipped[:4])})" if imat.skipped else "")
+            + (f"; routed experts: {experts['covered']} of {experts['of']} expert matrices got calibration tokens"
+               + (f", none reached {', '.join(f'{n} {e}' for n, e in list(experts['without_data'].items())[:3])} (weighted evenly)"
+                  if experts["without_data"] else "") if experts else ""))
 
 
 def expert_coverage(imat: imatrix.Imatrix) -> dict | None:
@@ -294,6 +311,6 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--merged", type=Path, required=True, help="the merge stage's model directory")
     ap.add_argument("--out", type=Path, required=True)
     a = ap.parse_args(argv)
-    r = run(load_config(a.config), a.merged, a.out)
+    r = run(inputs.load(a.config), a.merged, a.out)
     for f in r.files:
         print(f"{f.quant}: {f.path} ({f.size_mib} MiB) {f.tensor_types}, {f.n_fallback} fallbacks {f.fallbacks}")

@@ -42,9 +42,9 @@ from pathlib import Path
 
 import torch
 
-from stages import data, memory, result_files
+from stages import data, inputs, memory, result_files
 from stages.artifact import Artifact
-from stages.config import RunConfig, load_config
+from stages.config import RunConfig
 from stages.memory import MemoryReport
 from stages.modelio import device, load_tokenizer
 from stages.train import autofit, batches, eval_loss, kernels, launch, sharding
@@ -128,9 +128,9 @@ def run(cfg: RunConfig, out_dir: Path, *, inject_oom_at: int | None = None) -> T
             (first attempt only).
     """
     out_dir = Path(out_dir)
-    if result_files.done(out_dir, "train"):
+    if (saved := result_files.load_if_done(out_dir, "train")) is not None:
         print(f"train: adapter already trained in {out_dir / 'adapter'}; skipping")
-        return TrainResult.from_record(result_files.load(out_dir, "train"))
+        return TrainResult.from_record(saved)
     if cfg.training.launcher == "accelerate" and not os.environ.get(launch.LAUNCHED):
         return _launched(cfg, out_dir)
     inputs = _read_inputs(cfg)
@@ -414,7 +414,7 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit("train: the launcher is already gone")
         if torch.cuda.is_available():  # streams, peak counters and the CUDA context of rank k belong on GPU k, not cuda:0
             torch.cuda.set_device(device())
-    cfg = load_config(a.config, a.set)
+    cfg = inputs.load(a.config, a.set)
     from stages.paths import RunPaths
 
     out = a.out or RunPaths.for_run(cfg).stage("train")

@@ -8,7 +8,8 @@ on the host opens, named for the GPUs it guards (TAE_GPU_LOCK, default
 <tmp>/train-and-export-gpu-<GPUs>.lock): runs pinned to other GPUs (CUDA_VISIBLE_DEVICES) do not
 wait for each other. On a machine with no GPU nothing is locked: runs there share only CPUs.
 The GPUs are NVML's, as CUDA_VISIBLE_DEVICES selects them; TAE_GPU_IDS (comma-separated) names
-them instead where NVML cannot see them. The log says which GPUs and how they are held.
+them instead where NVML cannot see them. The log says which GPUs and how they are held, and each stage that held
+them records when and how in its directory (`stage_slot`, <stage dir>/gpu_slot.json).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 GPU_LIMIT = os.environ.get("TAE_GPU_LIMIT", "gpu")  # a Prefect global concurrency limit
+RECORD = "gpu_slot.json"  # in a stage's directory: when the stage held the GPU(s), and how
 
 
 def visible_gpus() -> list[str]:
@@ -145,3 +147,20 @@ def gpu_slot(holder: str, log=None) -> Iterator[str]:
             log(f"gpu: {holder} holds the host lock {path} for GPU {', '.join(gpus)} (no Prefect server: the temporary local API "
                 "cannot see other runs' slots)")
             yield "host-lock"
+
+
+@contextlib.contextmanager
+def stage_slot(stage: str, stage_dir: Path, flow_run_id: str | None) -> Iterator[None]:
+    """Hold the GPU(s) for one stage of a flow run; once the stage completed, record in <stage_dir>/gpu_slot.json when
+    the slot was held and how (the record of one GPU job at a time; a stage that failed leaves none).
+
+    Args:
+        stage: the stage's name, as the log and the record say it.
+        stage_dir: the stage's directory of the run, where the record goes.
+        flow_run_id: the Prefect flow run's id; None outside one (a `local` holder).
+    """
+    with gpu_slot(f"stage {stage} of flow run {flow_run_id or 'local'}") as how:
+        acquired = time.time()
+        yield
+        slot = {"stage": stage, "acquired": acquired, "released": time.time(), "flow_run_id": str(flow_run_id), "by": how}
+        (Path(stage_dir) / RECORD).write_text(json.dumps(slot))

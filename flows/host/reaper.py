@@ -5,7 +5,7 @@ problems, measured: `kill -9` of the flow process left that server running; Ctrl
 server too (same process group), so the flow process spent ~75 s retrying a dead API before it
 could report the interruption.
 
-    python -m flows.reaper PID < pipe      # started by watch(); not for users
+    python -m flows.host.reaper PID < pipe      # started by watch(); not for users
 
 `watch()` starts a small watchdog holding the read end of a pipe whose write end only this
 process has: when this process dies, by any signal, the pipe closes and the watchdog stops
@@ -28,7 +28,7 @@ def watch() -> None:
     if getattr(watch, "started", False):
         return
     read, write = os.pipe()  # both ends close-on-exec: no other child inherits the write end
-    subprocess.Popen([sys.executable, "-m", "flows.reaper", str(os.getpid())], stdin=read, start_new_session=True,
+    subprocess.Popen([sys.executable, "-m", "flows.host.reaper", str(os.getpid())], stdin=read, start_new_session=True,
                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     os.close(read)
     watch.started, watch.fd = True, write  # kept open for this process's life
