@@ -25,13 +25,6 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 # ConfigError lives in stages.errors, so that modelio raises it without importing the config; it is still stages.config.ConfigError.
 from stages.errors import ConfigError
 
-# Micro-batches of this many tokens or more get the tiled MLP (training.tiled_mlp: auto).
-TILE_FROM_TOKENS = 32768
-# The default packed budget stops here (where data.max_length allows): on the 7B QLoRA benchmark (R7, docs/benchmarks.md), steps of 32 samples, 16384- and
-# 24576-token micro-batches trained within noise of each other (8,311-8,866 and 8,171-8,768 loss tokens/s over two
-# calls), 32768 (the tiled MLP on) 6,173-6,227 (bench/packing_speed/results/goals/). The smaller of the fast two.
-PACKED_BUDGET_DEFAULT_MAX = 16384
-
 QUANT_FTYPES = {"Q4_K_M": 15, "Q5_K_S": 16, "Q5_K_M": 17, "Q6_K": 18, "Q8_0": 7, "Q4_K_S": 14}
 
 
@@ -442,42 +435,6 @@ class RunConfig(Section):
     smoke: SmokeSection = SmokeSection()
     handoff: HandoffSection
     artifacts_dir: Path = Field(Path("artifacts"), description="Run outputs go to <artifacts_dir>/runs/<run-id>/<stage>/.")
-
-    def token_budget(self) -> int:
-        """Tokens per packed micro-batch: training.max_tokens_per_batch, or by default the padded run's worst
-        micro-batch (micro-batch x data.max_length), which the preflight fits, cut to stay under the tiled MLP's
-        switch where data.max_length allows: tiling pays one more MLP forward per layer, and a step packed into
-        more, smaller micro-batches trains the same samples (packed_step: samples)."""
-        t = self.training
-        if t.max_tokens_per_batch:
-            return t.max_tokens_per_batch
-        padded = t.per_device_train_batch_size * self.data.max_length
-        if padded <= PACKED_BUDGET_DEFAULT_MAX or t.tiled_mlp == "on":
-            return padded
-        return max(self.data.max_length, PACKED_BUDGET_DEFAULT_MAX // self.data.max_length * self.data.max_length)
-
-    def token_budget_reason(self) -> str:
-        """Why token_budget() is what it is, for the preflight report and the train log."""
-        t, budget = self.training, self.token_budget()
-        if t.max_tokens_per_batch:
-            return "training.max_tokens_per_batch"
-        padded = t.per_device_train_batch_size * self.data.max_length
-        if budget == padded:
-            return f"per_device_train_batch_size x data.max_length ({t.per_device_train_batch_size} x {self.data.max_length})"
-        return (f"the widest multiple of data.max_length up to {PACKED_BUDGET_DEFAULT_MAX} tokens, among the fastest measured: the padded "
-                f"worst case, {padded}, packs fewer, longer micro-batches" + (", and switches the tiled MLP on"
-                                                                             if padded >= TILE_FROM_TOKENS else ""))
-
-    def samples_per_step(self) -> int:
-        """Samples one optimizer step trains per process, padded or packed by samples (packed_step: samples)."""
-        return self.training.per_device_train_batch_size * self.training.gradient_accumulation_steps
-
-    def widest_packed(self, longest: int) -> int:
-        """Tokens in the heaviest packed micro-batch data whose longest sample has `longest` tokens can make: the
-        budget, or (packed_step: samples) at most a step's samples, every one of them the longest."""
-        if self.training.packed_step == "tokens":
-            return self.token_budget()
-        return min(self.token_budget(), self.samples_per_step() * longest)
 
     def fingerprint(self) -> str:
         """Short hash of the resolved config: two runs with the same config share it."""

@@ -35,7 +35,7 @@ from stages.errors import UserError
 from stages.memory import CUDA_CONTEXT_GIB, GIB, MemoryReport
 from stages.memory_model import Estimate, Shapes, estimate, loss_mode
 from stages.modelio import load_tokenizer, resolve_model_dir
-from stages.train import eval_loss, packing
+from stages.train import batches, eval_loss, packing
 from stages.train.kernels import resolve_auto
 
 # Probe when the estimate is below this multiple of the budget: a run capped at the estimate
@@ -146,8 +146,8 @@ def run(cfg: RunConfig, out_dir: Path, gpu_memory_gib: float | None = None, *, t
         settings = resolve_auto(cfg, on_gpu=on_gpu, longest=lengths.max)
         lengths.worst_batch_tokens, lengths.packed = settings["widest_micro_batch"], settings["packing"]
         widen_for_eval(cfg, eval_rows, lengths, settings["packing"])  # padded: a longer eval sample widens the worst micro-batch
-        if settings["packing"] and lengths.max > cfg.token_budget():
-            raise ConfigError(f"training.max_tokens_per_batch is {cfg.token_budget()}, shorter than the longest sample "
+        if settings["packing"] and lengths.max > batches.token_budget(cfg):
+            raise ConfigError(f"training.max_tokens_per_batch is {batches.token_budget(cfg)}, shorter than the longest sample "
                               f"({lengths.max} tokens, {lengths.longest_id}); set it to at least {lengths.max}")
         planned, steps = _plan(cfg, tokenizer, settings["packing"])
         plan_tokens = packed_worst(cfg, tokenizer, planned, eval_rows, lengths, held_notes) if settings["packing"] else None
@@ -224,8 +224,8 @@ def probe(cfg: RunConfig, worst_len: int, cap_gib: float, out_dir: Path, model=N
     total = torch.cuda.get_device_properties(0).total_memory
     packed = kernels.packing(cfg)
     b = cfg.training.per_device_train_batch_size
-    batch = (list(rows) if packed and rows else packing.worst_rows(lengths or [worst_len], cfg.token_budget(),
-                                cfg.samples_per_step() if cfg.training.packed_step == "samples" else None) if packed
+    batch = (list(rows) if packed and rows else packing.worst_rows(lengths or [worst_len], batches.token_budget(cfg),
+                                batches.samples_per_step(cfg) if cfg.training.packed_step == "samples" else None) if packed
              else [worst_len] + [max(1, worst_len - 1)] * (b - 1))
     memory.free_gpu()
     torch.cuda.set_per_process_memory_fraction(min(1.0, cap_gib * GIB / total))
@@ -457,8 +457,8 @@ def widen_for_eval(cfg: RunConfig, rows: list[dict], lengths: LengthScan, packed
     longest = len(rows[i]["input_ids"])
     if longest <= lengths.max:
         return
-    if packed and longest > cfg.token_budget():
-        raise ConfigError(f"training.max_tokens_per_batch is {cfg.token_budget()}, shorter than the longest eval sample "
+    if packed and longest > batches.token_budget(cfg):
+        raise ConfigError(f"training.max_tokens_per_batch is {batches.token_budget(cfg)}, shorter than the longest eval sample "
                           f"({longest} tokens, {rows[i]['id']}); set it to at least {longest}")
     if not packed:  # padded, the worst micro-batch is micro-batch x longest sample (as scan_lengths and resolve_auto size it)
         lengths.max, lengths.longest_id = longest, f"{rows[i]['id']} (eval)"
@@ -493,7 +493,7 @@ def suggest(cfg: RunConfig, s: Shapes, lengths: LengthScan, usable: float, on_gp
     if on_gpu and loss_mode(cfg, on_gpu) == "plain":
         options.append((0, {"training.cross_entropy": "chunked"}, lengths.max))
     if lengths.packed:
-        half = min(cfg.token_budget(), cfg.widest_packed(lengths.max)) // 2
+        half = min(batches.token_budget(cfg), batches.widest_packed(cfg, lengths.max)) // 2
         if half >= lengths.max:  # by samples a step keeps its samples in more micro-batches; by tokens it needs twice as many
             options.append((1, {"training.max_tokens_per_batch": half} | ({} if t.packed_step == "samples" else
                                 {"training.gradient_accumulation_steps": 2 * t.gradient_accumulation_steps}), lengths.max))
@@ -609,7 +609,7 @@ def render(r: PreflightResult, cfg: RunConfig) -> str:
         f"## {headline(r, cfg)}",
         "",
         (f"Worst micro-batch: packed, {L.worst_batch_tokens} tokens ({len(L.planned)} samples): the heaviest the run's plan holds "
-         f"over training.max_steps ({cfg.training.max_steps}) under a {cfg.token_budget()}-token budget (longest sample {L.max} tokens, "
+         f"over training.max_steps ({cfg.training.max_steps}) under a {batches.token_budget(cfg)}-token budget (longest sample {L.max} tokens, "
          f"{L.longest_id}). "
          if L.packed else f"Worst micro-batch: {cfg.training.per_device_train_batch_size} x {L.max} tokens (longest sample {L.longest_id}). ")
         + f"Lengths over {L.n_samples} samples: p50 {L.p50}, p95 {L.p95}, p99 {L.p99}, max {L.max}. "

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from stages.config import PACKED_BUDGET_DEFAULT_MAX, TILE_FROM_TOKENS, RunConfig
+from stages.config import RunConfig
 from stages.train import batches, kernels
+from stages.train.batches import PACKED_BUDGET_DEFAULT_MAX, TILE_FROM_TOKENS
 
 
 def config(micro_batch: int, max_length: int, **training) -> RunConfig:
@@ -27,16 +28,16 @@ def config(micro_batch: int, max_length: int, **training) -> RunConfig:
 ])
 def test_default_budget_stays_under_the_cap(micro_batch, max_length, budget):
     cfg = config(micro_batch, max_length)
-    assert cfg.token_budget() == budget
-    assert cfg.token_budget() >= max_length
-    assert cfg.token_budget() <= max(PACKED_BUDGET_DEFAULT_MAX, max_length)
-    assert cfg.token_budget() % max_length == 0
+    assert batches.token_budget(cfg) == budget
+    assert batches.token_budget(cfg) >= max_length
+    assert batches.token_budget(cfg) <= max(PACKED_BUDGET_DEFAULT_MAX, max_length)
+    assert batches.token_budget(cfg) % max_length == 0
 
 
 def test_an_explicit_budget_or_tiled_mlp_on_is_kept():
-    assert config(4, 8192, max_tokens_per_batch=32768).token_budget() == 32768
-    assert config(4, 8192, max_tokens_per_batch=32768).token_budget_reason() == "training.max_tokens_per_batch"
-    assert config(4, 8192, tiled_mlp="on").token_budget() == 32768
+    assert batches.token_budget(config(4, 8192, max_tokens_per_batch=32768)) == 32768
+    assert batches.token_budget_reason(config(4, 8192, max_tokens_per_batch=32768)) == "training.max_tokens_per_batch"
+    assert batches.token_budget(config(4, 8192, tiled_mlp="on")) == 32768
 
 
 def test_the_default_budget_keeps_the_tiled_mlp_off_on_a_gpu():
@@ -57,4 +58,4 @@ def test_the_plan_says_why_this_budget():
     assert "at most 16384 tokens" in text and "tiled MLP" in text, text
     assert plan.samples_per_step == 32
     padded = config(4, 2048)
-    assert "per_device_train_batch_size x data.max_length (4 x 2048)" in padded.token_budget_reason()
+    assert "per_device_train_batch_size x data.max_length (4 x 2048)" in batches.token_budget_reason(padded)

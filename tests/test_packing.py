@@ -139,7 +139,7 @@ def test_tiled_mlp_auto_follows_the_widest_micro_batch_the_data_can_make(tmp_pat
     assert not on(cfg, 4117) and on(cfg, 8192)
     packed = cfg.model_copy(update={"training": cfg.training.model_copy(update={"packing": "on"})})
     # the default packed budget stays under the switch (16,384 here): no data turns the tiled MLP on
-    assert packed.token_budget() == 16384 and not on(packed, 100) and not on(packed, 8192)
+    assert batches.token_budget(packed) == 16384 and not on(packed, 100) and not on(packed, 8192)
     wide = packed.model_copy(update={"training": packed.training.model_copy(update={"max_tokens_per_batch": 32768})})
     # packed by samples: a micro-batch holds at most a step's 4 samples, so short data never reaches 32,768 tokens
     assert not on(wide, 100) and on(wide, 8192)
@@ -163,7 +163,7 @@ def test_preflight_sizes_a_packed_run_by_the_heaviest_micro_batch_its_plan_holds
                                    data={"eval_file": None}, smoke={"check": "stops"}))
     r = preflight.run(cfg, tmp_path / "preflight")
     lengths = data.training_set(cfg, load_tokenizer(cfg.model)).lengths
-    steps = packing.plan_steps(lengths, 512, cfg.samples_per_step(), cfg.training.seed, 6)
+    steps = packing.plan_steps(lengths, 512, batches.samples_per_step(cfg), cfg.training.seed, 6)
     heaviest = max((b for s in steps for b in s), key=lambda b: sum(lengths[i] for i in b))
     assert r.lengths.packed and r.lengths.worst_batch_tokens == sum(lengths[i] for i in heaviest) <= 512
     assert sorted(r.lengths.planned) == sorted(lengths[i] for i in heaviest)

@@ -261,7 +261,7 @@ def stage(model_dir: Path, qlora: bool, dist: str, budget: int | None) -> dict:
     loss = [round(e["loss"], 4) for e in trainer.state.log_history if "loss" in e]
     return {dist: {**rates(timer.times, timer.tokens, timer.trained, timer.samples), **peaks(), "loss": loss,
                    "settings": kernels.resolve_auto(cfg, on_gpu=True, longest=longest), "plan": plan.__dict__,
-                   "token_budget": cfg.token_budget()}}
+                   "token_budget": batches.token_budget(cfg)}}
 
 
 def trl_row(model_dir: Path, qlora: bool, dists: list[str]) -> dict:

@@ -18,6 +18,54 @@ from stages import data
 from stages.config import RunConfig
 from stages.train import packing
 
+# Micro-batches of this many tokens or more get the tiled MLP (training.tiled_mlp: auto).
+TILE_FROM_TOKENS = 32768
+# The default packed budget stops here (where data.max_length allows): on the 7B QLoRA benchmark (R7, docs/benchmarks.md), steps of 32 samples, 16384- and
+# 24576-token micro-batches trained within noise of each other (8,311-8,866 and 8,171-8,768 loss tokens/s over two
+# calls), 32768 (the tiled MLP on) 6,173-6,227 (bench/packing_speed/results/goals/). The smaller of the fast two.
+PACKED_BUDGET_DEFAULT_MAX = 16384
+
+
+def token_budget(cfg: RunConfig) -> int:
+    """Tokens per packed micro-batch: training.max_tokens_per_batch, or by default the padded run's worst
+    micro-batch (micro-batch x data.max_length), which the preflight fits, cut to stay under the tiled MLP's
+    switch where data.max_length allows: tiling pays one more MLP forward per layer, and a step packed into
+    more, smaller micro-batches trains the same samples (packed_step: samples)."""
+    t = cfg.training
+    if t.max_tokens_per_batch:
+        return t.max_tokens_per_batch
+    padded = t.per_device_train_batch_size * cfg.data.max_length
+    if padded <= PACKED_BUDGET_DEFAULT_MAX or t.tiled_mlp == "on":
+        return padded
+    return max(cfg.data.max_length, PACKED_BUDGET_DEFAULT_MAX // cfg.data.max_length * cfg.data.max_length)
+
+
+def token_budget_reason(cfg: RunConfig) -> str:
+    """Why token_budget is what it is, for the preflight report and the train log."""
+    t, budget = cfg.training, token_budget(cfg)
+    if t.max_tokens_per_batch:
+        return "training.max_tokens_per_batch"
+    padded = t.per_device_train_batch_size * cfg.data.max_length
+    if budget == padded:
+        return f"per_device_train_batch_size x data.max_length ({t.per_device_train_batch_size} x {cfg.data.max_length})"
+    return (f"the widest multiple of data.max_length up to {PACKED_BUDGET_DEFAULT_MAX} tokens, among the fastest measured: the padded "
+            f"worst case, {padded}, packs fewer, longer micro-batches" + (", and switches the tiled MLP on"
+                                                                         if padded >= TILE_FROM_TOKENS else ""))
+
+
+def samples_per_step(cfg: RunConfig) -> int:
+    """Samples one optimizer step trains per process, padded or packed by samples (packed_step: samples)."""
+    return cfg.training.per_device_train_batch_size * cfg.training.gradient_accumulation_steps
+
+
+def widest_packed(cfg: RunConfig, longest: int) -> int:
+    """Tokens in the heaviest packed micro-batch data whose longest sample has `longest` tokens can make: the
+    budget, or (packed_step: samples) at most a step's samples, every one of them the longest."""
+    if cfg.training.packed_step == "tokens":
+        return token_budget(cfg)
+    return min(token_budget(cfg), samples_per_step(cfg) * longest)
+
+
 
 @dataclass
 class Plan:
@@ -57,21 +105,21 @@ def dataset(cfg: RunConfig, train_rows, packed: bool, world_size: int = 1, lengt
     if not packed:
         eff = packing.padded_efficiency(lengths, t.per_device_train_batch_size, t.seed)
         n = -(-len(lengths) // t.per_device_train_batch_size)
-        per_step = min(len(lengths), cfg.samples_per_step() * world_size)
+        per_step = min(len(lengths), samples_per_step(cfg) * world_size)
         return train_rows, _figures(Plan(False, t.per_device_train_batch_size * max(lengths), n, len(lengths) / n, round(eff, 4)),
                                     cfg, len(lengths), total, per_step)
-    size = cfg.token_budget()
+    size = token_budget(cfg)
     if max(lengths) > size:
         from stages.config import ConfigError
 
         raise ConfigError(f"training.max_tokens_per_batch is {size}, shorter than the longest sample ({max(lengths)} tokens); "
                           f"set it to at least {max(lengths)} (or at least data.max_length, {cfg.data.max_length})")
     if t.packed_step == "samples":
-        steps = packing.plan_steps(lengths, size, cfg.samples_per_step(), t.seed, t.max_steps, world_size)
-        epoch_steps = packing.plan_steps(lengths, size, cfg.samples_per_step(), t.seed, -(-len(lengths) // (cfg.samples_per_step() * world_size)),
+        steps = packing.plan_steps(lengths, size, samples_per_step(cfg), t.seed, t.max_steps, world_size)
+        epoch_steps = packing.plan_steps(lengths, size, samples_per_step(cfg), t.seed, -(-len(lengths) // (samples_per_step(cfg) * world_size)),
                                          world_size)  # the first epoch's, for its figures
         first = [b for s in epoch_steps for b in s]
-        per_step = min(len(lengths), cfg.samples_per_step() * world_size)  # an epoch's last step may hold fewer
+        per_step = min(len(lengths), samples_per_step(cfg) * world_size)  # an epoch's last step may hold fewer
         return (packing.PackedSteps(train_rows, steps),
                 _figures(Plan(True, size, len(first), len(lengths) / len(first), 1.0),  # no padding, no budget to fill
                          cfg, len(lengths), total, per_step))
@@ -104,7 +152,7 @@ def _figures(plan: Plan, cfg: RunConfig, samples: int, tokens: int, per_step: fl
     plan.steps_per_epoch = round(samples / per_step, 2)
     plan.epochs = round(cfg.training.max_steps / plan.steps_per_epoch, 3)
     if plan.packed:
-        plan.budget_reason = cfg.token_budget_reason()
+        plan.budget_reason = token_budget_reason(cfg)
     return plan
 
 

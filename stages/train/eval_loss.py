@@ -81,7 +81,7 @@ def micro_batches(cfg: RunConfig, rows: list[dict], packed: bool) -> list[list[d
     if not rows:
         return []
     if packed:
-        plan = packing.plan_epoch([len(r["input_ids"]) for r in rows], cfg.token_budget(), cfg.training.seed, 0)
+        plan = packing.plan_epoch([len(r["input_ids"]) for r in rows], batches.token_budget(cfg), cfg.training.seed, 0)
         return [[rows[i] for i in b] for b in plan]
     by_length = sorted(rows, key=lambda r: len(r["input_ids"]))
     size = cfg.training.per_device_train_batch_size

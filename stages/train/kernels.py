@@ -14,8 +14,10 @@ import json
 import sys
 import textwrap
 
-from stages.config import TILE_FROM_TOKENS, ConfigError, RunConfig
+from stages.config import ConfigError, RunConfig
 from stages.modelio import device
+from stages.train import batches
+from stages.train.batches import TILE_FROM_TOKENS
 
 
 def resolve_auto(cfg: RunConfig, *, on_gpu: bool, liger: bool = True, bnb: bool = True, varlen: bool = True,
@@ -34,7 +36,7 @@ def resolve_auto(cfg: RunConfig, *, on_gpu: bool, liger: bool = True, bnb: bool 
     packed = t.packing == "on" or (t.packing == "auto" and (not on_gpu or varlen))
     # The tiled MLP pays one more MLP forward per layer to keep the tokens x intermediate activations small:
     # worth it only when the widest micro-batch the data can make is long (padded: micro-batch x longest sample).
-    widest = (cfg.widest_packed(longest or cfg.data.max_length) if packed
+    widest = (batches.widest_packed(cfg, longest or cfg.data.max_length) if packed
               else t.per_device_train_batch_size * (longest or cfg.data.max_length))
     return {
         "packing": packed,

@@ -72,7 +72,7 @@ def halve_micro_batch(cfg: RunConfig, packed: bool, longest: int) -> RunConfig |
     cannot get smaller."""
     t = cfg.training
     if packed:
-        tokens = min(cfg.token_budget(), cfg.widest_packed(longest)) // 2
+        tokens = min(batches.token_budget(cfg), batches.widest_packed(cfg, longest)) // 2
         if tokens < longest:
             return None
         # by samples a step keeps its samples in more micro-batches; by tokens it needs twice as many of them

@@ -384,8 +384,8 @@ def evaluation(trainer, cfg: RunConfig) -> dict:
 def choose_fit(cfg: RunConfig, model, train_rows, collator, out_dir: Path, lengths: list[int] | None = None) -> autofit.FitChoice:
     """Checkpoint every layer, or (fit: speed) as few as the budget allows, measured on the heaviest micro-batch."""
     packed = isinstance(collator, batches.PackedCollator)
-    worst = batches.worst(train_rows, collator, cfg.token_budget() if packed else None, cfg.training.per_device_train_batch_size, lengths,
-                          cfg.samples_per_step() if cfg.training.packed_step == "samples" else None)
+    worst = batches.worst(train_rows, collator, batches.token_budget(cfg) if packed else None, cfg.training.per_device_train_batch_size, lengths,
+                          batches.samples_per_step(cfg) if cfg.training.packed_step == "samples" else None)
     batch = {k: v.to(device()) if torch.is_tensor(v) else v for k, v in worst.items()}
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     fit = autofit.choose(cfg, model, batch, trainable, kernels.optimizer(cfg))
