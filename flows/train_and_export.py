@@ -168,13 +168,11 @@ def smoke_accuracy(sm) -> dict:
     return {f.quant: {"accuracy": f.accuracy} for f in sm.files}
 
 
-def stage_memory(pre, tr, mg, ex, sm) -> dict:
-    return {"preflight": pre.memory, "train": tr.memory, "merge": mg.memory, "export": ex.memory, "smoke": sm.memory}
-
-
 def finish(paths: RunPaths, ho, pre, tr, mg, ex, sm) -> dict:
     """The run's comparison with the bundle `latest` pointed at and its summary, as artifacts and beside the run; a
     failed flow run when the retrain was worse (what the deployment's automation alerts on); else what the run made."""
+    from stages.handoff import stage_memory  # here, not at the top: the command line answers --help without torch
+
     reports = stage_memory(pre, tr, mg, ex, sm) | {"handoff": ho.memory}
     publish(ho.artifacts())  # the champion/challenger table
     summary = summarize(paths, reports, ho, tr, sm)
