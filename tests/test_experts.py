@@ -299,3 +299,52 @@ def test_nf4_grouped_matmul_input_gradient_is_that_of_the_dequantized_stack():
     x.grad = None
     (experts._gmm(x, dense.transpose(-2, -1), offs) * grad).sum().backward()
     torch.testing.assert_close(ours, x.grad)
+
+
+def test_a_checkpointed_nf4_step_dequantizes_each_stack_twice_and_a_plain_forward_keeps_no_copy(monkeypatch):
+    """Under non-reentrant checkpointing the recompute's dequantized stack serves the backward after it (two
+    dequantizations, not three), and the gradient is the dense stack's; a forward outside checkpointing keeps no copy."""
+    import bitsandbytes as bnb
+    from torch.utils.checkpoint import checkpoint
+
+    from stages import expert_nf4
+
+    torch.manual_seed(4)
+    p = bnb.nn.Params4bit(torch.randn(E, 2 * I, H) * 0.05, requires_grad=False, blocksize=64,
+                          quant_type="nf4")._quantize("cpu")
+    dense = expert_nf4.dequantize(p)
+    offs = torch.tensor([5, 5, 12, 16], dtype=torch.int32)
+    x = torch.randn(16, H, requires_grad=True)
+    grad = torch.randn(16, 2 * I)
+    calls = []
+    real = expert_nf4.dequantize
+
+    def counted(param):
+        calls.append(1)
+        return real(param)
+
+    monkeypatch.setattr(expert_nf4, "dequantize", counted)
+    y = checkpoint(lambda t: experts._NF4GroupedMM.apply(t, p, offs, False) * 1.0, x, use_reentrant=False)
+    (y * grad).sum().backward()
+    assert len(calls) == 2
+    ours = x.grad.clone()
+    x.grad = None
+    (experts._gmm(x, dense.transpose(-2, -1), offs) * grad).sum().backward()
+    torch.testing.assert_close(ours, x.grad)
+
+    calls.clear()   # without checkpointing: the forward saves a one-element placeholder, backward dequantizes again
+    x.grad = None
+    y = experts._NF4GroupedMM.apply(x, p, offs, False)
+    saved = [t for t in y.grad_fn.saved_tensors if t.dim() == 3]
+    assert len(saved) == 1 and saved[0].untyped_storage().nbytes() == saved[0].element_size()
+    (y * grad).sum().backward()
+    assert len(calls) == 2
+    torch.testing.assert_close(x.grad, ours)
+
+
+def test_expert_offsets_are_the_cumulative_counts_of_the_sorted_groups():
+    torch.manual_seed(5)
+    for experts_n, slots in ((1, 3), (4, 0), (7, 50), (128, 1000)):
+        groups = torch.sort(torch.randint(0, experts_n, (slots,)))[0]
+        expected = torch.bincount(groups, minlength=experts_n).cumsum(0).to(torch.int32)
+        assert torch.equal(experts.offsets(groups, experts_n), expected)

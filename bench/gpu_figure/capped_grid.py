@@ -119,6 +119,12 @@ NEW_SHAPES = {
                              intermediate_size=14336, num_hidden_layers=40, num_attention_heads=32, num_key_value_heads=8,
                              head_dim=128, vocab_size=131072, max_position_embeddings=131072, rope_theta=1e6,
                              tie_word_embeddings=False),
+    # Granite-3.3-2B (dense, model_type granite): Granite's four multipliers, tied 49k table, 4:1 GQA, 40 layers;
+    # Liger has no kernels for it (issue 34: the defaults must train it)
+    "granite-3.3-2b": dict(model_type="granite", architectures=["GraniteForCausalLM"], hidden_size=2048, intermediate_size=8192,
+                           num_hidden_layers=40, num_attention_heads=32, num_key_value_heads=8, vocab_size=49159,
+                           max_position_embeddings=131072, rope_theta=1e7, tie_word_embeddings=True, embedding_multiplier=12.0,
+                           logits_scaling=8.0, residual_multiplier=0.22, attention_multiplier=0.015625, **MOE_IDS),
     # mixtures of experts (issue 34): the released models' config.json shapes; ids those of the tiny default's tokenizer
     # OLMoE-1B-7B: 64 experts top-8, no shared expert, q/k-norm over all heads
     "olmoe-1b-7b": dict(model_type="olmoe", architectures=["OlmoeForCausalLM"], hidden_size=2048, intermediate_size=1024,
@@ -210,6 +216,9 @@ ROWS = {
     "M6": ("qwen3-30b-a3b-12l", "bf16", "off", 2048, 2, 16, "all-linear"),
     "M7": ("mixtral-1.5b-8e", "nf4", "on", 4096, 2, 16, "all-linear"),
     "M8": ("mixtral-1.5b-8e", "bf16", "off", 2048, 4, 16, "all-linear"),
+    # G rows: a dense family Liger has no kernels for, at the project's defaults
+    "G1": ("granite-3.3-2b", "nf4", "on", 4096, 2, 16, "all-linear"),
+    "G2": ("granite-3.3-2b", "bf16", "off", 2048, 4, 16, "all-linear"),
     "T1": ("tiny-qk", "bf16", "on", 256, 4, 8, QVO),
     "T2": ("tiny-fused", "bf16", "off", 128, 4, 8, QVO),
     "T3": ("tiny-gemma2", "bf16", "on", 256, 4, 8, "all-linear"),

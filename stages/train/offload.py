@@ -77,7 +77,8 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         # otherwise hold that output, and through its grad_fn itself, from inside the graph, where the collector
         # cannot see it. A forward that dies before its backward (an OOM, a capped probe) then left its whole graph,
         # the layers its checkpoints recompute and their weights, allocated for the rest of the process.
-        if (not t.is_cuda or t.numel() * t.element_size() < MIN_BYTES
+        # the storage's size, not the view's: an expanded tensor (a broadcast mask, a placeholder) is its storage
+        if (not t.is_cuda or min(t.numel() * t.element_size(), t.untyped_storage().nbytes()) < MIN_BYTES
                 or t.untyped_storage().data_ptr() in self.param_ptrs):
             return t.detach()
         compute = torch.cuda.current_stream()
