@@ -110,7 +110,7 @@ class Targets:
 
 def of_model(model) -> Architecture | None:
     """The architecture of the base model a config's `model` section names (config.json only)."""
-    from stages.modelio import resolve_model_dir
+    from stages.modeldir import resolve_model_dir
 
     path = resolve_model_dir(model.name_or_path) / "config.json"
     return from_config_text(path.read_text(encoding="utf-8"), model.trust_remote_code, str(path.parent))

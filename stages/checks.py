@@ -40,7 +40,7 @@ from stages.config import RunConfig
 from stages.errors import DiskFull, MissingPackage, RunError, UserError
 from stages.export import convert as gguf_convert
 from stages.export import imatrix, llamacpp, llamacpp_process, vocab
-from stages.modelio import resolve_model_dir
+from stages.modeldir import resolve_model_dir
 from stages.train import tracking
 
 HTTP_TIMEOUT_S = 3      # an MLflow server that does not answer its health check in this long is down (or not there)
@@ -278,7 +278,7 @@ def disk(cfg: RunConfig, run_dir: Path) -> None:
 def planned_outputs(cfg: RunConfig, run_dir: Path) -> list[Output]:
     """What merge, export and handoff will write, sized from the base model's safetensors headers; outputs
     of stages this run already finished (a resumed run) are on disk already and not counted."""
-    from stages.modelio import resolve_model_dir
+    from stages.modeldir import resolve_model_dir
 
     model_dir = resolve_model_dir(cfg.model.name_or_path)
     tensors = _tensors(model_dir)

@@ -43,7 +43,7 @@ from stages.config import RunConfig
 from stages.errors import DiskFull, RunError
 from stages.export import modelcard, quant_types
 from stages.memory import MemoryReport, track
-from stages.modelio import resolve_model_dir
+from stages.modeldir import resolve_model_dir
 
 if TYPE_CHECKING:
     from stages.export.stage import ExportResult

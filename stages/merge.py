@@ -30,7 +30,8 @@ from stages.config import RunConfig
 from stages.errors import MissingInput
 from stages.export import fidelity
 from stages.memory import MemoryReport
-from stages.modelio import load_base, load_tokenizer, resolve_model_dir
+from stages.modeldir import resolve_model_dir
+from stages.modelio import load_base, load_tokenizer
 
 TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 KL_TOLERANCE = {torch.float32: 1e-6, torch.bfloat16: 1e-2, torch.float16: 1e-2}

@@ -16,6 +16,7 @@ import torch
 
 from stages import expert_lora, expert_nf4
 from stages.errors import ConfigError, ModelError
+from stages.modeldir import resolve_model_dir
 
 if TYPE_CHECKING:  # annotations only: the config imports this module (to check the model), never the reverse
     from stages.config import ModelSection, QuantizationSection
@@ -25,32 +26,6 @@ if TYPE_CHECKING:  # annotations only: the config imports this module (to check 
 # allocated; expandable segments 34.2 GiB; the often-advised max_split_size_mb:128
 # 139 GiB (the Qwen2-7B baseline, R7 in docs/benchmarks.md, HF Trainer). A user's own setting wins.
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-
-
-def resolve_model_dir(name_or_path: str) -> Path:
-    """A local model directory for `name_or_path`, or FileNotFoundError saying how to get one."""
-    p = Path(name_or_path).expanduser()
-    if p.is_dir():
-        if not (p / "config.json").is_file():
-            raise ModelError(f"{p.resolve()} has no config.json; point it at a Hugging Face model directory")
-        if not any(p.glob("*.safetensors")):
-            raise ModelError(
-                f"{p.resolve()} has no *.safetensors weights (found: {sorted(x.name for x in p.iterdir())}); "
-                "only safetensors are loaded: convert the checkpoint with `save_pretrained(..., safe_serialization=True)`"
-            )
-        return p
-    if "/" in name_or_path and not p.exists():
-        from huggingface_hub import snapshot_download
-
-        try:
-            return Path(snapshot_download(name_or_path, local_files_only=True, allow_patterns=["*.json", "*.safetensors", "*.model", "*.jinja", "*.txt"]))
-        except Exception:
-            pass
-    raise ModelError(
-        f"'{name_or_path}' is neither a local directory nor a model in the HF cache "
-        f"({os.environ.get('HF_HUB_CACHE', '~/.cache/huggingface/hub')}); download it beforehand "
-        f"(`hf download {name_or_path}`) or set model.name_or_path to a local directory"
-    )
 
 
 def device() -> torch.device:

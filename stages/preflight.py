@@ -34,7 +34,8 @@ from stages.config import ConfigError, RunConfig
 from stages.errors import UserError
 from stages.memory import CUDA_CONTEXT_GIB, GIB, MemoryReport
 from stages.memory_model import Estimate, Shapes, estimate, loss_mode
-from stages.modelio import load_tokenizer, resolve_model_dir
+from stages.modeldir import resolve_model_dir
+from stages.modelio import load_tokenizer
 from stages.train import batches, eval_loss, packing
 from stages.train.kernels import resolve_auto
 
@@ -222,7 +223,8 @@ def probe(cfg: RunConfig, worst_len: int, cap_gib: float, out_dir: Path, model=N
     from stages.train.model import build_model
 
     total = torch.cuda.get_device_properties(0).total_memory
-    packed = kernels.packing(cfg)
+    settings = kernels.settings(cfg, worst_len)   # as the train stage resolves them for this data
+    packed = settings.packing
     b = cfg.training.per_device_train_batch_size
     batch = (list(rows) if packed and rows else packing.worst_rows(lengths or [worst_len], batches.token_budget(cfg),
                                 batches.samples_per_step(cfg) if cfg.training.packed_step == "samples" else None) if packed
@@ -235,17 +237,17 @@ def probe(cfg: RunConfig, worst_len: int, cap_gib: float, out_dir: Path, model=N
     try:
         with built_pages:
             if built:
-                model = build_model(cfg, worst_len)
+                model = build_model(cfg, worst_len, settings)
         build_peaks = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
         torch.cuda.reset_peak_memory_stats()  # the steps' own peak: where the descent starts
         vocab = model.get_input_embeddings().num_embeddings
         gen = torch.Generator().manual_seed(0)
         rows = random_rows(batch, vocab, gen) + random_rows(batch, vocab, gen)
         train_data, collator = ((packing.PackedRows(rows, [list(range(len(batch))), list(range(len(batch), 2 * len(batch)))]),
-                            batches.PackedCollator(varlen=kernels.packed_attention(cfg) == "varlen")) if packed
+                            batches.PackedCollator(varlen=settings.packed_attention == "varlen")) if packed
                            else (rows, batches.Collator(0)))
         trainer = make_trainer(
-            cfg, model, train_data, collator, out_dir / "probe", max_steps=2, gradient_accumulation_steps=1,
+            cfg, model, train_data, collator, out_dir / "probe", settings=settings, max_steps=2, gradient_accumulation_steps=1,
             train_sampling_strategy="sequential", save_strategy="no", logging_steps=1000, disable_tqdm=True, logging_first_step=False,
         )
         with step_pages:

@@ -114,7 +114,7 @@ def test_one_optimizer_step_packed_equals_the_same_step_padded(tmp_path):
         else:
             # the collator the model's packed attention reads (stages/train/stage.py pairs them the same way); positions-only:
             # no cu_seq_lens, as transformers' DataCollatorWithFlattening gives, so varlen reads the restarting positions
-            collator = batches.PackedCollator(varlen=mode == "packed" and kernels.packed_attention(cfg) == "varlen")
+            collator = batches.PackedCollator(varlen=mode == "packed" and kernels.settings(cfg).packed_attention == "varlen")
             train_data = packing.PackedRows(rows, [[0, 1], [2, 3]])
         trainer = hf_trainer.make_trainer(cfg, model, train_data, collator, tmp_path / mode / "out", save_strategy="no", disable_tqdm=True)
         trainer.train()
@@ -156,7 +156,8 @@ def test_preflight_sizes_a_packed_run_by_the_heaviest_micro_batch_its_plan_holds
 
     from stages import data
     from stages.memory_model import Shapes, estimate
-    from stages.modelio import load_tokenizer, resolve_model_dir
+    from stages.modeldir import resolve_model_dir
+    from stages.modelio import load_tokenizer
 
     # no eval data: the eval's own micro-batches are the test below
     cfg = load_config(write_config(tmp_path, training={"packing": "on", "max_tokens_per_batch": 512, "max_steps": 6},

@@ -164,7 +164,8 @@ def test_gpu_only_settings_fail_clearly_on_cpu(tmp_path):
         with pytest.raises(ValueError, match=rf"training\.{key}: on needs a CUDA GPU.*set it to auto"):
             lora_model.build_model(cfg) if key != "offload_activations" else hf_trainer.make_trainer(cfg, None, [], None, tmp_path)
     cfg = load_config(write_config(tmp_path))
-    assert kernels.optimizer(cfg) == "adamw_torch" and not kernels.offload_activations(cfg) and not kernels.offload_embeddings(cfg)
+    s = kernels.settings(cfg)
+    assert s.optim == "adamw_torch" and not s.offload_activations and not s.offload_embeddings
 
 
 def test_liger_gets_the_kernels_each_family_has():

@@ -66,7 +66,7 @@ def main() -> None:
             shapes = memory_model.Shapes.from_config(_json.loads((model_dir / "config.json").read_text()))
             est = memory_model.estimate(cfg, shapes, seq, on_gpu=True).total_gib
             model = lora_model.build_model(cfg)
-            kernels.tile_mlp(model, on=kernels.tiled_mlp(cfg))
+            kernels.tile_mlp(model, on=kernels.settings(cfg).tiled_mlp)
             for f in FACTORS_AT_ESTIMATE:
                 t0 = time.perf_counter()
                 p = preflight.probe(cfg, seq, est * f, Path("/tmp/cap-probe"), model=model)

@@ -142,7 +142,7 @@ def run_group(index: int, out: Path, deadline: float) -> None:
             print(f"group {index}: time limit before {seq}x{mb}", flush=True)
             break
         cfg = run_config(model_dir, quant, r, targets, seq, mb)
-        tiled = kernels.tiled_mlp(cfg)
+        tiled = kernels.settings(cfg).tiled_mlp
         kernels.tile_mlp(model, on=tiled) if cuda else None
         spec = {"shape": shape, "quant": quant, "r": r, "target_modules": targets, "seq": seq, "micro_batch": mb}
         row = {"model": shape, "config": spec, "group": index, "tiled_mlp": tiled} | built

@@ -98,10 +98,10 @@ def stage(rows: list[dict], **training) -> dict:
     from stages.train import model as lora_model
 
     cfg = config(**training)
-    packed = kernels.packing(cfg)
+    packed = kernels.settings(cfg).packing
     train_data, plan = batches.dataset(cfg, rows, packed)
     cfg = cfg.model_copy(update={"training": cfg.training.model_copy(update={"max_steps": plan.micro_batches_per_epoch})})
-    collator = batches.PackedCollator(varlen=kernels.packed_attention(cfg) == "varlen") if packed else batches.Collator(0)
+    collator = batches.PackedCollator(varlen=kernels.settings(cfg).packed_attention == "varlen") if packed else batches.Collator(0)
     model = lora_model.build_model(cfg, max(len(r["input_ids"]) for r in rows))
     trainer = hf_trainer.make_trainer(cfg, model, train_data, collator, Path("/tmp/bench-packing-cpu"), save_strategy="no",
                                       disable_tqdm=True)
@@ -113,7 +113,7 @@ def stage(rows: list[dict], **training) -> dict:
     for b, e in zip(per_batch, [e for e in trainer.state.log_history if "loss" in e], strict=False):
         seen += len(b)
         curve.append([seen, round(e["loss"], 4)])
-    return _result(wall, [r for b in per_batch for r in b], curve, {"plan": plan.__dict__, "packed_attention": kernels.packed_attention(cfg)})
+    return _result(wall, [r for b in per_batch for r in b], curve, {"plan": plan.__dict__, "packed_attention": kernels.settings(cfg).packed_attention})
 
 
 def _result(wall: float, trained_rows: list[dict], curve: list, extra: dict) -> dict:

@@ -248,9 +248,9 @@ def stage(model_dir: Path, qlora: bool, dist: str, budget: int | None) -> dict:
     cfg = stage_config(model_dir, qlora, **({"max_tokens_per_batch": budget} if budget else {}))
     rows = samples(dist)
     longest = max(len(r["input_ids"]) for r in rows)
-    packed = kernels.packing(cfg)
+    packed = kernels.settings(cfg).packing
     train_data, plan = batches.dataset(cfg, rows, packed)
-    collator = (batches.PackedCollator(varlen=kernels.packed_attention(cfg) == "varlen") if packed
+    collator = (batches.PackedCollator(varlen=kernels.settings(cfg).packed_attention == "varlen") if packed
                 else batches.Collator(0))
     model = lora_model.build_model(cfg, longest)
     fresh_peak()

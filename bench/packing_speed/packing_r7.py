@@ -157,10 +157,10 @@ def stage(cfg, rows: list[dict]) -> dict:
     from stages.train import batches, hf_trainer, kernels
     from stages.train import model as lora_model
 
-    packed = kernels.packing(cfg)
+    packed = kernels.settings(cfg).packing
     longest = max(len(r["input_ids"]) for r in rows)
     train_data, plan = batches.dataset(cfg, rows, packed)
-    collator = (batches.PackedCollator(varlen=kernels.packed_attention(cfg) == "varlen") if packed
+    collator = (batches.PackedCollator(varlen=kernels.settings(cfg).packed_attention == "varlen") if packed
                 else batches.Collator(0))
     micro_batches = plan.micro_batches_per_epoch
     cfg = cfg.model_copy(update={"training": cfg.training.model_copy(update={"max_steps": micro_batches})})

@@ -200,7 +200,7 @@ def main() -> None:
     cfg = stage_config(model_dir, True)
     model = lora_model.build_model(cfg)
     emit(out, {"name": "stage (defaults: fit memory)", "mode": "qlora", "seq": 4096, "micro_batch": 2, "baseline": False,
-               "fit": "memory", "offload_activations": True, "offload_embeddings": kernels.offload_embeddings(cfg),
+               "fit": "memory", "offload_activations": True, "offload_embeddings": kernels.settings(cfg).offload_embeddings,
                **stage_run(cfg, model, 2, 4096)})
     if "qlora" in a.parts:
         del model
@@ -282,7 +282,7 @@ def main() -> None:
         cb = stage_config(model_dir, False)
         model = lora_model.build_model(cb)
         emit(out, {"name": "stage (defaults: fit memory)", "mode": "bf16", "seq": 4096, "micro_batch": 2, "baseline": False,
-                   "offload_embeddings": kernels.offload_embeddings(cb), **stage_run(cb, model, 2, 4096)})
+                   "offload_embeddings": kernels.settings(cb).offload_embeddings, **stage_run(cb, model, 2, 4096)})
         del model
         clean()
         cb = stage_config(model_dir, False, offload_embeddings="off")

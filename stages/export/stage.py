@@ -36,7 +36,8 @@ from stages.errors import MissingInput
 from stages.export import convert, fidelity, imatrix, llamacpp, quant_types, vocab
 from stages.export.llamacpp_process import LlamaProcess
 from stages.memory import MemoryReport
-from stages.modelio import load_tokenizer, resolve_model_dir
+from stages.modeldir import resolve_model_dir
+from stages.modelio import load_tokenizer
 
 IMATRIX_FILE = "imatrix.gguf"
 # Types whose quantization reads an importance matrix and whose type rule does not depend on having one

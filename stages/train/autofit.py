@@ -38,20 +38,20 @@ class FitChoice:
     attention: str = ""  # the SDPA kernel the model's shapes get here
 
 
-def choose(cfg: RunConfig, model, worst_batch: dict, trainable_params: int, optim: str) -> FitChoice:
+def choose(cfg: RunConfig, model, worst_batch: dict, trainable_params: int, optim: str, offload_activations: bool) -> FitChoice:
     """Set the model's checkpointed layers for `cfg.training.fit` and say why.
 
     Args:
         worst_batch: a collated micro-batch of the longest rows.
         trainable_params, optim: size the optimizer states, allocated only at the first step.
+        offload_activations: whether the run offloads saved activations (kernels.Settings).
     """
-    from stages.train.kernels import offload_activations
     from stages.train.model import checkpointed_layers
     from stages.train.offload import HostEmbedding
 
     n, total = checkpointed_layers(model)
     on_host = isinstance(model.get_input_embeddings(), HostEmbedding)  # not when tied to lm_head
-    choice = FitChoice(cfg.training.fit, n, total, offload_activations(cfg), on_host)
+    choice = FitChoice(cfg.training.fit, n, total, offload_activations, on_host)
     if cfg.training.fit == "memory" or not cfg.training.gradient_checkpointing or not torch.cuda.is_available() or total == 0:
         choice.reason = ("fit: memory: every layer checkpointed" + (", saved activations offloaded to CPU" if choice.offload_activations else "")
                          if cfg.training.fit == "memory" else

@@ -41,7 +41,7 @@ logging.getLogger("transformers.trainer_utils").addFilter(_NumericCheckpointOrde
 
 def make_trainer(cfg: RunConfig, model, train_rows, collator, out_dir: Path,
                  callbacks: list | None = None, *, eval_rows: list[dict] | None = None,
-                 memory_sinks: tuple = (), **overrides) -> StageTrainer:
+                 memory_sinks: tuple = (), settings: kernels.Settings | None = None, **overrides) -> StageTrainer:
     """The HF Trainer exactly as training uses it; `overrides` change TrainingArguments (the probe's 2 steps).
 
     Args:
@@ -51,31 +51,31 @@ def make_trainer(cfg: RunConfig, model, train_rows, collator, out_dir: Path,
         eval_rows: tokenized held-out rows (batches.rows); none or empty: no eval, and the eval
             settings (eval_steps, early_stopping_patience, load_best) do nothing.
         memory_sinks: callables given each per-step memory row as it is written (the trackers).
+        settings: the run's resolved settings (kernels.settings); None resolves them here.
     """
-    t = cfg.training
+    t, s = cfg.training, settings or kernels.settings(cfg)
     packed = isinstance(train_rows, (PackedRows, PackedSteps))
     eval_items = eval_loss.micro_batches(cfg, eval_rows or [], packed)  # shaped like the training micro-batches
     every = eval_loss.eval_steps(cfg, bool(eval_items))
     args = _training_arguments(cfg, model, out_dir, packed, by_step=isinstance(train_rows, PackedSteps), eval_every=every,
-                               **overrides)
-    offload = kernels.offload_activations(cfg)
+                               optim=s.optim, **overrides)
     stop_early = [EarlyStoppingCallback(t.early_stopping_patience)] if every and t.early_stopping_patience else []
     return StageTrainer(
         model=model, args=args, train_dataset=train_rows, eval_dataset=eval_items if every else None,
-        data_collator=collator, offload_activations=offload, eval_collate=eval_loss.collate_like(collator) if every else None,
+        data_collator=collator, offload_activations=s.offload_activations, eval_collate=eval_loss.collate_like(collator) if every else None,
         callbacks=[Interruptible(), MemoryCallback(out_dir / "memory_steps.jsonl", memory_sinks), *stop_early, *(callbacks or [])],
     )
 
 
 def _training_arguments(cfg: RunConfig, model, out_dir: Path, packed: bool, *, by_step: bool, eval_every: int | None,
-                        **overrides) -> TrainingArguments:
+                        optim: str, **overrides) -> TrainingArguments:
     """The stage's TrainingArguments: the config's training section, eval every `eval_every` steps (None: no eval),
     FSDP in a launched process; `overrides` last.
 
     Args:
         packed: each item of the dataset is packed (one micro-batch, or with `by_step` one step's micro-batches).
     """
-    kwargs = _train_kwargs(cfg, out_dir, packed, by_step) | _eval_kwargs(cfg, eval_every)
+    kwargs = _train_kwargs(cfg, out_dir, packed, by_step, optim) | _eval_kwargs(cfg, eval_every)
     kwargs |= sharding.trainer_args(cfg, model)  # distributed: fsdp, in a launched process
     args = TrainingArguments(**(kwargs | overrides))
     if args.n_gpu > 1:
@@ -86,7 +86,7 @@ def _training_arguments(cfg: RunConfig, model, out_dir: Path, packed: bool, *, b
     return args
 
 
-def _train_kwargs(cfg: RunConfig, out_dir: Path, packed: bool, by_step: bool) -> dict:
+def _train_kwargs(cfg: RunConfig, out_dir: Path, packed: bool, by_step: bool, optim: str) -> dict:
     t = cfg.training
     on_gpu = device().type == "cuda"
     dtype = compute_dtype(cfg.model.torch_dtype)
@@ -101,7 +101,7 @@ def _train_kwargs(cfg: RunConfig, out_dir: Path, packed: bool, by_step: bool) ->
         weight_decay=t.weight_decay,
         max_grad_norm=t.max_grad_norm,
         max_steps=t.max_steps,
-        optim=kernels.optimizer(cfg),
+        optim=optim,
         train_sampling_strategy="sequential" if packed else t.train_sampling_strategy,
         logging_steps=t.logging_steps,
         save_strategy="steps",

@@ -1,7 +1,9 @@
 """What the `auto` training settings resolve to, and the Liger kernels they switch on.
 
 `resolve_auto` is the one place the settings are decided: training passes what this machine
-has, the preflight estimate the device it estimates for.
+has, the preflight estimate the device it estimates for. `settings` decides them once for a
+run on this machine (a frozen `Settings`), and the pieces that build it (the model, the
+Trainer, the fit) take that instead of resolving the config again.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import inspect
 import json
 import sys
 import textwrap
+from dataclasses import dataclass
 
 from stages.config import ConfigError, RunConfig
 from stages.modelio import device
@@ -57,58 +60,57 @@ def resolve_auto(cfg: RunConfig, *, on_gpu: bool, liger: bool = True, bnb: bool 
     }
 
 
-def _resolved(cfg: RunConfig, key: str, longest: int | None = None) -> bool | str | None:
-    """`key` of resolve_auto on this machine; a GPU-only setting forced `on` without a GPU is an error."""
-    from stages.train.attention import varlen_available
+@dataclass(frozen=True)
+class Settings:
+    """The `auto` training settings as this machine and this data decide them: resolve_auto's answer, plus the loss."""
+    packing: bool
+    packed_attention: str | None   # varlen, flex_attention or mask when packing
+    widest_micro_batch: int
+    fused_kernels: bool
+    offload_activations: bool
+    offload_embeddings: bool
+    tiled_mlp: bool
+    optim: str
+    cross_entropy: str             # plain or chunked
 
-    on_gpu = device().type == "cuda"
-    needs = {"fused_kernels": "a CUDA GPU and liger-kernel (`pip install -e .[gpu]`)",
-             "tiled_mlp": "a CUDA GPU and liger-kernel (`pip install -e .[gpu]`)",
-             "offload_activations": "a CUDA GPU (pinned host memory, copy streams)",
-             "offload_embeddings": "a CUDA GPU (the table is already in host memory on CPU)"}
-    if key in needs and getattr(cfg.training, key) == "on" and not (on_gpu and (_has_liger() or "liger" not in needs[key])):
-        raise ConfigError(f"training.{key}: on needs {needs[key]}; set it to auto or off")
+
+_NEEDS = {"fused_kernels": "a CUDA GPU and liger-kernel (`pip install -e .[gpu]`)",
+          "tiled_mlp": "a CUDA GPU and liger-kernel (`pip install -e .[gpu]`)",
+          "offload_activations": "a CUDA GPU (pinned host memory, copy streams)",
+          "offload_embeddings": "a CUDA GPU (the table is already in host memory on CPU)"}
+
+
+def _check_forced(cfg: RunConfig, key: str, on_gpu: bool, varlen: bool) -> None:
+    """A setting forced to what this machine cannot do is one error naming it and the fix."""
+    if key in _NEEDS and getattr(cfg.training, key) == "on" and not (on_gpu and (_has_liger() or "liger" not in _NEEDS[key])):
+        raise ConfigError(f"training.{key}: on needs {_NEEDS[key]}; set it to auto or off")
     if key == "packed_attention" and cfg.training.packed_attention == "flex_attention" and not on_gpu:
         raise ConfigError("training.packed_attention: flex_attention needs a CUDA GPU (torch has no flex attention backward on "
                           "CPU); set it to auto, varlen or mask")
-    if key == "packed_attention" and cfg.training.packed_attention == "varlen" and not varlen_available():
+    if key == "packed_attention" and cfg.training.packed_attention == "varlen" and not varlen:
         raise ConfigError("training.packed_attention: varlen needs torch >= 2.10 (torch.nn.attention.varlen) and an Ampere or "
                           "newer GPU; set it to auto, flex_attention or mask")
-    return resolve_auto(cfg, on_gpu=on_gpu, liger=_has_liger(), bnb=importlib.util.find_spec("bitsandbytes") is not None,
-                        varlen=varlen_available(), longest=longest)[key]
 
 
-def fused_kernels(cfg: RunConfig) -> bool:
-    return _resolved(cfg, "fused_kernels")
+def settings(cfg: RunConfig, longest: int | None = None) -> Settings:
+    """The run's settings on this machine, decided once, every forced one checked against it.
 
+    Args:
+        longest: the data's longest sample (sizes the widest micro-batch, which decides the tiled MLP);
+            None assumes data.max_length.
+    """
+    from stages.train.attention import varlen_available
 
-def offload_activations(cfg: RunConfig) -> bool:
-    return _resolved(cfg, "offload_activations")
-
-
-def offload_embeddings(cfg: RunConfig) -> bool:
-    return _resolved(cfg, "offload_embeddings")
+    on_gpu, varlen = device().type == "cuda", varlen_available()
+    for key in [*_NEEDS, "packed_attention"]:
+        _check_forced(cfg, key, on_gpu, varlen)
+    resolved = resolve_auto(cfg, on_gpu=on_gpu, liger=_has_liger(), bnb=importlib.util.find_spec("bitsandbytes") is not None,
+                            varlen=varlen, longest=longest)
+    return Settings(**resolved, cross_entropy=cross_entropy(cfg))
 
 
 # Optimizer state per trainable parameter, by optimizer: AdamW keeps two fp32 moments, the 8-bit ones two bytes.
 OPTIM_BYTES = {"auto": 8, "adamw_torch": 8, "adamw_torch_fused": 8, "paged_adamw_8bit": 2, "adamw_8bit": 2, "sgd": 0}
-
-
-def optimizer(cfg: RunConfig) -> str:
-    return _resolved(cfg, "optim")
-
-
-def tiled_mlp(cfg: RunConfig, longest: int | None = None) -> bool:
-    return _resolved(cfg, "tiled_mlp", longest)
-
-
-def packing(cfg: RunConfig) -> bool:
-    return _resolved(cfg, "packing")
-
-
-def packed_attention(cfg: RunConfig) -> str | None:
-    """varlen, flex_attention or mask when packing, else None."""
-    return _resolved(cfg, "packed_attention")
 
 
 def tile_mlp(model, on: bool = True) -> int:
@@ -153,7 +155,7 @@ def cross_entropy(cfg: RunConfig) -> str:
 
 def model_type(cfg: RunConfig) -> str | None:
     """config.json's model_type of the base model, None where it cannot be read (the model checks say why)."""
-    from stages.modelio import resolve_model_dir
+    from stages.modeldir import resolve_model_dir
 
     try:
         return json.loads((resolve_model_dir(cfg.model.name_or_path) / "config.json").read_text(encoding="utf-8")).get("model_type")

@@ -12,12 +12,13 @@ from stages.train.attention import avoid_cudnn_sdpa, use_packed_attention
 from stages.train.offload import embeddings_to_host
 
 
-def build_model(cfg: RunConfig, longest: int | None = None):
+def build_model(cfg: RunConfig, longest: int | None = None, settings: kernels.Settings | None = None):
     """Frozen base + LoRA adapter, in train mode, checkpointing set up the way that works.
 
     Args:
         longest: the data's longest sample (sizes the widest micro-batch, which decides the tiled
             MLP); None assumes data.max_length.
+        settings: the run's resolved settings (kernels.settings); None resolves them here.
     """
     from peft import LoraConfig, get_peft_model
     from transformers import set_seed
@@ -31,16 +32,17 @@ def build_model(cfg: RunConfig, longest: int | None = None):
     for note in targets.notes + architecture.dropout_note(cfg.lora, lora):
         print(f"train: {note}")
     avoid_cudnn_sdpa()
-    if kernels.packing(cfg):
-        use_packed_attention(model, kernels.packed_attention(cfg))
-    kernels.use_liger(model, loss=kernels.cross_entropy(cfg) == "chunked", kernels=kernels.fused_kernels(cfg),
-              forced=cfg.training.cross_entropy == "chunked" or cfg.training.fused_kernels == "on")
+    s = settings or kernels.settings(cfg, longest)
+    if s.packing:
+        use_packed_attention(model, s.packed_attention)
+    kernels.use_liger(model, loss=s.cross_entropy == "chunked", kernels=s.fused_kernels,
+                      forced=cfg.training.cross_entropy == "chunked" or cfg.training.fused_kernels == "on")
     expert_lora.use_nf4_stacks(model)   # Liger binds its fused MoE forward to the experts, which reads 16-bit stacks only
-    if sharding.active(cfg) and kernels.cross_entropy(cfg) == "chunked":
+    if sharding.active(cfg) and s.cross_entropy == "chunked":
         sharding.gather_lm_head_for_fused_loss(model)
-    if kernels.tiled_mlp(cfg, longest):
+    if s.tiled_mlp:
         kernels.tile_mlp(model)
-    if kernels.offload_embeddings(cfg):
+    if s.offload_embeddings:
         embeddings_to_host(model)
     model.config.use_cache = False  # the KV cache is useless in training and costs memory
     model.train()  # from_pretrained returns eval mode; checkpointing is a no-op there

@@ -168,7 +168,7 @@ class Inputs:
 class Attempt:
     """One try at training, with what it trained with; model and trainer are let go of (None) once it is done with them."""
     cfg: RunConfig
-    packed: bool
+    settings: kernels.Settings
     plan: batches.Plan
     collator: batches.Collator | batches.PackedCollator
     model: object
@@ -176,6 +176,10 @@ class Attempt:
     resume: Path | None        # the checkpoint it continued from
     trainer: StageTrainer | None
     wall_s: float = 0.0        # its trainer.train(), when it ran to the end
+
+    @property
+    def packed(self) -> bool:
+        return self.settings.packing
 
 
 def _read_inputs(cfg: RunConfig) -> Inputs:
@@ -223,23 +227,23 @@ def _prepare(cfg: RunConfig, inputs: Inputs, out_dir: Path, tracker: Tracker, in
              first: bool) -> Attempt:
     """Micro-batches, model, fit and Trainer of one attempt, resuming from the last checkpoint if there is one;
     the test hook and the memory snapshot only in the `first`."""
-    packed = kernels.packing(cfg)
-    dataset, plan = batches.dataset(cfg, inputs.rows, packed, inputs.world, inputs.lengths)
-    collator = (batches.PackedCollator(varlen=kernels.packed_attention(cfg) == "varlen") if packed
+    settings = kernels.settings(cfg, inputs.longest)   # once per attempt: the recovery changes the config
+    dataset, plan = batches.dataset(cfg, inputs.rows, settings.packing, inputs.world, inputs.lengths)
+    collator = (batches.PackedCollator(varlen=settings.packed_attention == "varlen") if settings.packing
                 else batches.Collator(inputs.tokenizer.pad_token_id))
     print(f"train: {plan.describe()}")
-    model = build_model(cfg, inputs.longest)
-    fit = choose_fit(cfg, model, inputs.rows, collator, out_dir, inputs.lengths)
+    model = build_model(cfg, inputs.longest, settings)
+    fit = choose_fit(cfg, model, inputs.rows, collator, out_dir, inputs.lengths, settings)
     resume = last_checkpoint(out_dir / "checkpoints")
     hooks = [InjectOOM(inject_oom_at)] if inject_oom_at and first else []
     if cfg.training.memory_snapshot_steps and torch.cuda.is_available() and first:
         hooks.append(MemorySnapshot(cfg.training.memory_snapshot_steps, out_dir / "memory_snapshot.pickle"))
     hooks += tracker.callbacks(step_of(resume) if resume else 0)
     trainer = make_trainer(cfg, model, dataset, collator, out_dir, callbacks=hooks, eval_rows=inputs.held_out,
-                           memory_sinks=(tracker.memory,))
+                           memory_sinks=(tracker.memory,), settings=settings)
     if resume:
         print(f"train: resuming from {resume}")
-    return Attempt(cfg, packed, plan, collator, model, fit, resume, trainer)
+    return Attempt(cfg, settings, plan, collator, model, fit, resume, trainer)
 
 
 def _train(attempt: Attempt, postmortem_path: Path) -> dict | None:
@@ -381,14 +385,16 @@ def evaluation(trainer, cfg: RunConfig) -> dict:
             "best_eval_loss": state.best_metric if curve else None, "stopped_early": stopped, "adapter_step": adapter_step}
 
 
-def choose_fit(cfg: RunConfig, model, train_rows, collator, out_dir: Path, lengths: list[int] | None = None) -> autofit.FitChoice:
+def choose_fit(cfg: RunConfig, model, train_rows, collator, out_dir: Path, lengths: list[int] | None = None,
+               settings: kernels.Settings | None = None) -> autofit.FitChoice:
     """Checkpoint every layer, or (fit: speed) as few as the budget allows, measured on the heaviest micro-batch."""
+    settings = settings or kernels.settings(cfg)
     packed = isinstance(collator, batches.PackedCollator)
     worst = batches.worst(train_rows, collator, batches.token_budget(cfg) if packed else None, cfg.training.per_device_train_batch_size, lengths,
                           batches.samples_per_step(cfg) if cfg.training.packed_step == "samples" else None)
     batch = {k: v.to(device()) if torch.is_tensor(v) else v for k, v in worst.items()}
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    fit = autofit.choose(cfg, model, batch, trainable, kernels.optimizer(cfg))
+    fit = autofit.choose(cfg, model, batch, trainable, settings.optim, settings.offload_activations)
     fit.attention = attention_kernel(model)
     print(f"train: {fit.checkpointed_layers}/{fit.total_layers} layers checkpointed; {fit.reason}; attention: {fit.attention}")
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,350 @@
+"""The train stage's own MoE QLoRA path, at its defaults, against plain peft + the HF Trainer, on the same samples.
+
+Where bench/moe_speed and bench/moe_qlora time hand-built steps on full-length random rows, this one times what a
+user runs: `stage` builds the model through stages.train.model.build_model (the defaults a GPU resolves: NF4 experts,
+the grouped expert LoRA, Liger, packing with varlen attention, fit: memory's offloads, 8-bit paged AdamW) and trains
+it with the stage's own Trainer (stages.train.hf_trainer.make_trainer) over the stage's own micro-batch plan
+(stages.train.batches.dataset); `peft` is plain peft 0.21 target_parameters on the bf16 base, HF Trainer, dynamic
+padding, torch AdamW, gradient checkpointing, no Liger (the issue's baseline). Only the base's load differs from a
+real run: the model is built at a released model's shapes (random init, on the GPU) and, under QLoRA, quantized in
+place the way stages.modelio.load_base stores it (bench/moe_qlora's quantize_in_place), because a 57 GiB checkpoint
+does not fit the device's disk.
+
+Same settings in both: micro-batch 2, data.max_length 2048, a step of `--samples` samples (padded: micro-batch x
+gradient accumulation; packed_step: samples lays the same samples end to end into micro-batches of at most
+2 x 2048 tokens), LoRA r 16 / alpha 32 on attention and every routed expert. Two data sets, each trained once by
+both, in this order: `longtail` (log-normal lengths, median 512, sigma 1.02, capped at 2048: chat data) and `full`
+(every sample 2048 tokens, the issue's 2 x 2048). Before each timed run, a one-step run on other rows of the same
+kind warms kernels and the allocator. Timed: trainer.train() of `--steps` steps over exactly steps x samples rows, so
+both methods train the very same samples; samples/s is exact, tokens/s counts what the top-level forward received
+(padding excluded). Peak reserved is torch's over the timed run; 8-bit paged optimizer states (CUDA managed memory,
+outside torch's allocator) are reported apart.
+
+    python bench/moe_stage_speed/run.py peft  --out $OUT/peft.json  [--shape qwen3-30b-a3b]
+    python bench/moe_stage_speed/run.py stage --out $OUT/stage.json
+    python bench/moe_stage_speed/run.py merge $OUT/moe_stage_speed.json $OUT/peft.json $OUT/stage.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib.util
+import json
+import math
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from stages import architecture, moe  # noqa: E402
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(f"{name}_run", ROOT / "bench" / name / "run.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_speed, _qlora = _load("moe_speed"), _load("moe_qlora")
+# a CPU dry run's shape: the same family, small enough for two cores
+SHAPES = _speed.SHAPES | {"tiny-qwen3-moe": dict(_speed.SHAPES["qwen3-30b-a3b"], hidden_size=64, intermediate_size=128,
+                                                 moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                                 num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
+                                                 vocab_size=512)}
+ON_GPU = torch.cuda.is_available()
+
+
+def lengths(kind: str, n: int, cap: int, seed: int) -> list[int]:
+    """`longtail`: log-normal, median cap/4, sigma 1.02, in [16, cap]; `full`: every sample `cap` tokens."""
+    if kind == "full":
+        return [cap] * n
+    rng = random.Random(seed)
+    return [max(16, min(cap, round(rng.lognormvariate(math.log(cap / 4), 1.02)))) for _ in range(n)]
+
+
+def rows(kind: str, n: int, cap: int, vocab: int, seed: int) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    return [{"input_ids": ids, "labels": ids} for ids in
+            (torch.randint(3, vocab, (k,), generator=g).tolist() for k in lengths(kind, n, cap, seed))]
+
+
+class Counter:
+    """Tokens the top-level model's forward receives (padding excluded), whichever Trainer calls it."""
+
+    def __init__(self, model) -> None:
+        self.tokens = 0
+        model.register_forward_pre_hook(self._count, with_kwargs=True)
+
+    def _count(self, _module, args, kwargs):
+        mask, ids = kwargs.get("attention_mask"), kwargs.get("input_ids", args[0] if args else None)
+        if torch.is_tensor(mask) and mask.dim() == 2:
+            self.tokens += int(mask.sum())
+        elif torch.is_tensor(ids):
+            self.tokens += ids.numel()
+
+
+def timer():
+    from transformers import TrainerCallback
+
+    class Timer(TrainerCallback):
+        def __init__(self) -> None:
+            self.begin = self.end = 0.0
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            torch.cuda.synchronize() if ON_GPU else None
+            self.begin = time.perf_counter()
+
+        def on_train_end(self, args, state, control, **kwargs):
+            torch.cuda.synchronize() if ON_GPU else None
+            self.end = time.perf_counter()
+
+    return Timer()
+
+
+def measured(trainer, counter: Counter, clock, samples: int, steps: int) -> dict:
+    """trainer.train() from a fresh peak: samples/s, tokens/s, peak memory, paged optimizer states."""
+    gc.collect()
+    if ON_GPU:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    before = counter.tokens
+    out = trainer.train()
+    dt = clock.end - clock.begin
+    row = {"steps": out.global_step, "samples": samples * steps, "s": round(dt, 3),
+           "samples_per_s": round(samples * steps / dt, 3), "tokens": counter.tokens - before,
+           "tokens_per_s": round((counter.tokens - before) / dt, 1), "final_loss": round(out.training_loss, 4)}
+    if ON_GPU:
+        row |= {"peak_reserved_gib": round(torch.cuda.max_memory_reserved() / 2**30, 3),
+                "peak_allocated_gib": round(torch.cuda.max_memory_allocated() / 2**30, 3)}
+    inner = getattr(trainer.optimizer, "optimizer", trainer.optimizer)   # accelerate wraps it
+    if getattr(inner, "is_paged", False):   # bitsandbytes' paged states: CUDA managed memory, outside torch's peak
+        states = [v for s in inner.state.values() for v in s.values() if torch.is_tensor(v)]
+        row["paged_states_gib"] = round(sum(v.numel() * v.element_size() for v in states) / 2**30, 3)
+    return row
+
+
+def base_builder(shape: dict):
+    """stages.modelio.load_base's stand-in: the shapes built on the device from their config (random init, seeded),
+    under QLoRA quantized in place as load_base stores them (linear layers and expert stacks NF4)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.utils.quantization_config import QuantizationMethod
+
+    def load_base(model, quant, *, quantized=None, sharded=False):
+        spec = dict(shape)
+        config = AutoConfig.for_model(spec.pop("model_type"), **spec)
+        torch.manual_seed(0)
+        dtype = torch.bfloat16 if ON_GPU else torch.float32
+        with torch.device("cuda" if ON_GPU else "cpu"):
+            m = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=model.attn_implementation)
+        if quant.load_in_4bit if quantized is None else quantized:
+            quantize(m, dtype)
+            m.quantization_method = QuantizationMethod.BITS_AND_BYTES   # as from_pretrained marks it: no .to()
+        return m
+
+    return load_base
+
+
+def quantize(model, dtype) -> None:
+    if ON_GPU:
+        return _qlora.quantize_in_place(model)
+    # CPU dry run: bitsandbytes quantizes on the CPU too, but quantize_in_place names the device "cuda"
+    import bitsandbytes as bnb
+
+    from stages import expert_lora, expert_nf4
+
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if type(child) is torch.nn.Linear and name != "lm_head":
+                new = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=child.bias is not None,
+                                        compute_dtype=dtype, compress_statistics=True, quant_type="nf4", device="meta")
+                new.weight = bnb.nn.Params4bit(child.weight.data, requires_grad=False, blocksize=64,
+                                               compress_statistics=True, quant_type="nf4")._quantize("cpu")
+                setattr(module, name, new)
+    for s in moe.fused_experts(model).stacks:
+        module_name, _, leaf = s.name.rpartition(".")
+        module = model.get_submodule(module_name)
+        setattr(module, leaf, bnb.nn.Params4bit(getattr(module, leaf).data, requires_grad=False,
+                                                blocksize=expert_nf4.BLOCKSIZE, compress_statistics=True,
+                                                quant_type="nf4")._quantize("cpu"))
+    model.is_loaded_in_4bit = True
+    expert_nf4.show_shapes(model)
+    expert_lora.use_nf4_stacks(model)
+
+
+def stage_config(model_dir: Path, args, kind: str, steps: int, overrides: dict):
+    from stages.config import RunConfig
+
+    raw = {"model": {"name_or_path": str(model_dir), "torch_dtype": "auto", "attn_implementation": "sdpa"},
+           "data": {"train_file": str(model_dir / "unused.jsonl"), "max_length": args.max_length},
+           "lora": {"r": args.r, "lora_alpha": 2 * args.r, "lora_dropout": 0.0, "target_modules": "all-linear"},
+           "quantization": {"load_in_4bit": args.qlora},
+           "training": {"per_device_train_batch_size": args.batch, "gradient_accumulation_steps": args.samples // args.batch,
+                        "max_steps": steps, "learning_rate": 1e-4, "warmup_steps": 0, "save_steps": 10_000,
+                        "logging_steps": 10_000, "seed": 0},
+           "handoff": {"model_name": "bench"}}
+    for key, value in overrides.items():
+        section, _, name = key.partition(".")
+        raw.setdefault(section, {})[name] = value
+    return RunConfig.model_validate(raw)
+
+
+def write_model_dir(shape: dict, where: Path) -> Path:
+    """config.json and a placeholder weights file: what architecture.of_model and resolve_model_dir read."""
+    from safetensors.torch import save_file
+    from transformers import AutoConfig
+
+    spec = dict(shape)
+    AutoConfig.for_model(spec.pop("model_type"), **spec).save_pretrained(where)
+    save_file({"placeholder": torch.zeros(1)}, str(where / "model.safetensors"))
+    return where
+
+
+def run_stage(args, shape: dict, work: Path) -> dict:
+    from stages.train import batches, kernels
+    from stages.train import model as train_model
+    from stages.train.hf_trainer import make_trainer
+    from stages.train.stage import choose_fit
+
+    overrides = dict(o.split("=", 1) for o in args.set)
+    overrides = {k: json.loads(v) if v[:1] in "0123456789[{tn" else v for k, v in overrides.items()}
+    model_dir = write_model_dir(shape, work / "model")
+    train_model.load_base = base_builder(shape)   # the one stand-in: the base from a config, not from disk
+    cfg = stage_config(model_dir, args, "longtail", 1, overrides)
+    settings = kernels.settings(cfg, args.max_length)
+    model = train_model.build_model(cfg, args.max_length, settings)
+    counter = Counter(model)
+    out = {"settings": {k: v for k, v in vars(settings).items()}, "overrides": overrides,
+           "weights_gib": round(torch.cuda.memory_allocated() / 2**30, 3) if ON_GPU else None, "runs": {}}
+    fit_done = False
+    for kind in args.data:
+        for phase, steps, seed in (("warmup", 1, 100), ("timed", args.steps, 1)):
+            cfg = stage_config(model_dir, args, kind, steps, overrides)
+            data = rows(kind, steps * args.samples, args.max_length, shape["vocab_size"], seed)
+            lens = [len(r["input_ids"]) for r in data]
+            dataset, plan = batches.dataset(cfg, data, settings.packing, 1, lens)
+            collator = (batches.PackedCollator(varlen=settings.packed_attention == "varlen") if settings.packing
+                        else batches.Collator(0))
+            if not fit_done:   # once, on the heaviest micro-batch the data can make, as the stage does
+                out["fit"] = vars(choose_fit(cfg, model, data, collator, work / "fit", lens, settings))
+                fit_done = True
+            clock = timer()
+            trainer = make_trainer(cfg, model, dataset, collator, work / f"{kind}-{phase}", callbacks=[clock], settings=settings,
+                                   disable_tqdm=True)
+            r = measured(trainer, counter, clock, args.samples, steps)
+            r["plan"] = plan.describe()
+            out["runs"][f"{kind}-{phase}"] = r
+            print("stage", kind, phase, r, flush=True)
+            del trainer
+    return out
+
+
+def run_peft(args, shape: dict, work: Path) -> dict:
+    from peft import LoraConfig, get_peft_model
+    from transformers import Trainer, TrainingArguments
+
+    model = base_builder(shape)(type("M", (), {"attn_implementation": "sdpa"})(), None, quantized=False)
+    targets = architecture.resolve_targets("all-linear", architecture.describe(model))
+    model.config.use_cache = False
+    model.train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.enable_input_require_grads()
+    with moe.peft_targets_as_given():
+        model = get_peft_model(model, LoraConfig(r=args.r, lora_alpha=2 * args.r, lora_dropout=0.0, task_type="CAUSAL_LM",
+                                                 target_modules=targets.modules, target_parameters=targets.parameters))
+    counter = Counter(model)
+    out = {"adapted": targets.summary(args.r), "runs": {},
+           "weights_gib": round(torch.cuda.memory_allocated() / 2**30, 3) if ON_GPU else None}
+
+    def pad(batch: list[dict]) -> dict:
+        width = max(len(r["input_ids"]) for r in batch)
+        ids = torch.zeros(len(batch), width, dtype=torch.long)
+        labels = torch.full((len(batch), width), -100, dtype=torch.long)
+        mask = torch.zeros(len(batch), width, dtype=torch.long)
+        for i, r in enumerate(batch):
+            n = len(r["input_ids"])
+            ids[i, :n], labels[i, :n], mask[i, :n] = torch.tensor(r["input_ids"]), torch.tensor(r["labels"]), 1
+        return {"input_ids": ids, "labels": labels, "attention_mask": mask}
+
+    for kind in args.data:
+        for phase, steps, seed in (("warmup", 1, 100), ("timed", args.steps, 1)):
+            data = rows(kind, steps * args.samples, args.max_length, shape["vocab_size"], seed)
+            targs = TrainingArguments(output_dir=str(work / f"peft-{kind}-{phase}"), per_device_train_batch_size=args.batch,
+                                      gradient_accumulation_steps=args.samples // args.batch, max_steps=steps,
+                                      learning_rate=1e-4, bf16=ON_GPU, optim="adamw_torch", logging_steps=10_000,
+                                      save_strategy="no", report_to=[], remove_unused_columns=False, disable_tqdm=True,
+                                      use_cpu=not ON_GPU, seed=0)
+            clock = timer()
+            trainer = Trainer(model=model, args=targs, train_dataset=data, data_collator=pad, callbacks=[clock])
+            r = measured(trainer, counter, clock, args.samples, steps)
+            out["runs"][f"{kind}-{phase}"] = r
+            print("peft", kind, phase, r, flush=True)
+            del trainer
+    return out
+
+
+def merge(dest: str, files: list[str]) -> None:
+    """One JSON of the methods run in their own processes, with each timed run's ratios over peft's."""
+    runs = {}
+    for f in files:
+        if Path(f).is_file():
+            d = json.loads(Path(f).read_text())
+            runs[d["method"]] = d
+    out = {"methods": runs, "vs_peft": {}}
+    peft = runs.get("peft", {}).get("result", {}).get("runs", {})
+    for name, d in runs.items():
+        for key, r in d.get("result", {}).get("runs", {}).items():
+            p = peft.get(key)
+            if name == "peft" or not p or not key.endswith("timed") or "samples_per_s" not in r:
+                continue
+            out["vs_peft"].setdefault(name, {})[key] = {
+                "speed": round(r["samples_per_s"] / p["samples_per_s"], 3),
+                **({"peak_reserved": round(r["peak_reserved_gib"] / p["peak_reserved_gib"], 3)} if "peak_reserved_gib" in r else {}),
+                **({"peak_reserved_with_paged_states": round((r["peak_reserved_gib"] + r.get("paged_states_gib", 0))
+                                                             / p["peak_reserved_gib"], 3)} if "peak_reserved_gib" in r else {})}
+    Path(dest).write_text(json.dumps(out, indent=2))
+    print(json.dumps(out["vs_peft"], indent=1))
+
+
+def main() -> None:
+    if sys.argv[1:2] == ["merge"]:
+        return merge(sys.argv[2], sys.argv[3:])
+    ap = argparse.ArgumentParser()
+    ap.add_argument("method", choices=["peft", "stage"])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--name", help="the method's name in the merged JSON (default: the method; e.g. stage-speed)")
+    ap.add_argument("--shape", default="qwen3-30b-a3b", choices=list(SHAPES))
+    ap.add_argument("--data", nargs="+", default=["longtail", "full"], choices=["longtail", "full"])
+    ap.add_argument("--samples", type=int, default=16, help="samples per optimizer step")
+    ap.add_argument("--steps", type=int, default=3, help="timed optimizer steps per data set")
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--max-length", type=int, default=2048)
+    ap.add_argument("--r", type=int, default=16)
+    ap.add_argument("--bf16", dest="qlora", action="store_false", help="stage: the 16-bit base instead of QLoRA")
+    ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="stage: a config override")
+    args = ap.parse_args()
+    import peft
+    import transformers
+
+    out = {"method": args.name or args.method, "command": " ".join(sys.argv),
+           "device": torch.cuda.get_device_name() if ON_GPU else "cpu", "torch": torch.__version__,
+           "transformers": transformers.__version__, "peft": peft.__version__, "settings": vars(args)}
+    with tempfile.TemporaryDirectory() as work:
+        try:
+            out["result"] = (run_peft if args.method == "peft" else run_stage)(args, SHAPES[args.shape], Path(work))
+        except Exception:  # noqa: BLE001  (recorded: the merge reports what ran)
+            import traceback
+            out["error"] = traceback.format_exc()[-4000:]
+            print(out["error"], flush=True)
+    Path(args.out).write_text(json.dumps(out, indent=2, default=str))
+
+
+if __name__ == "__main__":
+    main()
