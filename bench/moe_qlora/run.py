@@ -46,18 +46,18 @@ H200_BF16_FLOPS, SHAPES, active_params, build, step = _speed.H200_BF16_FLOPS, _s
 GIB = 2**30
 
 
-def quantize_in_place(model) -> None:
-    """What stages.modelio.load_base makes of a checkpoint under QLoRA, made from a model already on the GPU:
-    every nn.Linear but lm_head a Linear4bit (NF4, double quant, bf16 compute), every fused expert stack NF4."""
+def quantize_in_place(model, device: str = "cuda", compute_dtype=torch.bfloat16) -> None:
+    """What stages.modelio.load_base makes of a checkpoint under QLoRA, made from a model already on `device`:
+    every nn.Linear but lm_head a Linear4bit (NF4, double quant, `compute_dtype` compute), every fused expert stack NF4."""
     import bitsandbytes as bnb
 
     for module in list(model.modules()):
         for child_name, child in list(module.named_children()):
             if type(child) is torch.nn.Linear and child_name != "lm_head":
                 new = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=child.bias is not None,
-                                        compute_dtype=torch.bfloat16, compress_statistics=True, quant_type="nf4", device="meta")
+                                        compute_dtype=compute_dtype, compress_statistics=True, quant_type="nf4", device="meta")
                 new.weight = bnb.nn.Params4bit(child.weight.data, requires_grad=False, blocksize=64, compress_statistics=True,
-                                               quant_type="nf4")._quantize("cuda")
+                                               quant_type="nf4")._quantize(device)
                 if child.bias is not None:
                     new.bias = child.bias
                 setattr(module, child_name, new)
@@ -67,7 +67,7 @@ def quantize_in_place(model) -> None:
         module = model.get_submodule(module_name)
         p = getattr(module, leaf)
         setattr(module, leaf, bnb.nn.Params4bit(p.data, requires_grad=False, blocksize=expert_nf4.BLOCKSIZE,
-                                                compress_statistics=True, quant_type="nf4")._quantize("cuda"))
+                                                compress_statistics=True, quant_type="nf4")._quantize(device))
         del p
     model.is_loaded_in_4bit = True
     expert_nf4.show_shapes(model)

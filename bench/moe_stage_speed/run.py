@@ -43,7 +43,6 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from stages import architecture, moe  # noqa: E402
 
 
 def _load(name: str):
@@ -145,38 +144,11 @@ def base_builder(shape: dict):
         with torch.device("cuda" if ON_GPU else "cpu"):
             m = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=model.attn_implementation)
         if quant.load_in_4bit if quantized is None else quantized:
-            quantize(m, dtype)
+            _qlora.quantize_in_place(m, "cuda" if ON_GPU else "cpu", dtype)
             m.quantization_method = QuantizationMethod.BITS_AND_BYTES   # as from_pretrained marks it: no .to()
         return m
 
     return load_base
-
-
-def quantize(model, dtype) -> None:
-    if ON_GPU:
-        return _qlora.quantize_in_place(model)
-    # CPU dry run: bitsandbytes quantizes on the CPU too, but quantize_in_place names the device "cuda"
-    import bitsandbytes as bnb
-
-    from stages import expert_lora, expert_nf4
-
-    for module in list(model.modules()):
-        for name, child in list(module.named_children()):
-            if type(child) is torch.nn.Linear and name != "lm_head":
-                new = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=child.bias is not None,
-                                        compute_dtype=dtype, compress_statistics=True, quant_type="nf4", device="meta")
-                new.weight = bnb.nn.Params4bit(child.weight.data, requires_grad=False, blocksize=64,
-                                               compress_statistics=True, quant_type="nf4")._quantize("cpu")
-                setattr(module, name, new)
-    for s in moe.fused_experts(model).stacks:
-        module_name, _, leaf = s.name.rpartition(".")
-        module = model.get_submodule(module_name)
-        setattr(module, leaf, bnb.nn.Params4bit(getattr(module, leaf).data, requires_grad=False,
-                                                blocksize=expert_nf4.BLOCKSIZE, compress_statistics=True,
-                                                quant_type="nf4")._quantize("cpu"))
-    model.is_loaded_in_4bit = True
-    expert_nf4.show_shapes(model)
-    expert_lora.use_nf4_stacks(model)
 
 
 def stage_config(model_dir: Path, args, kind: str, steps: int, overrides: dict):
@@ -247,18 +219,10 @@ def run_stage(args, shape: dict, work: Path) -> dict:
 
 
 def run_peft(args, shape: dict, work: Path) -> dict:
-    from peft import LoraConfig, get_peft_model
     from transformers import Trainer, TrainingArguments
 
     model = base_builder(shape)(type("M", (), {"attn_implementation": "sdpa"})(), None, quantized=False)
-    targets = architecture.resolve_targets("all-linear", architecture.describe(model))
-    model.config.use_cache = False
-    model.train()
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model.enable_input_require_grads()
-    with moe.peft_targets_as_given():
-        model = get_peft_model(model, LoraConfig(r=args.r, lora_alpha=2 * args.r, lora_dropout=0.0, task_type="CAUSAL_LM",
-                                                 target_modules=targets.modules, target_parameters=targets.parameters))
+    model, targets = _qlora.adapt(model, args.r)   # all-linear, experts included, checkpointed: the benches' plain peft
     counter = Counter(model)
     out = {"adapted": targets.summary(args.r), "runs": {},
            "weights_gib": round(torch.cuda.memory_allocated() / 2**30, 3) if ON_GPU else None}

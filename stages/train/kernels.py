@@ -80,14 +80,16 @@ _NEEDS = {"fused_kernels": "a CUDA GPU and liger-kernel (`pip install -e .[gpu]`
           "offload_embeddings": "a CUDA GPU (the table is already in host memory on CPU)"}
 
 
-def _check_forced(cfg: RunConfig, key: str, on_gpu: bool, varlen: bool) -> None:
+def _check_forced(cfg: RunConfig, on_gpu: bool, varlen: bool) -> None:
     """A setting forced to what this machine cannot do is one error naming it and the fix."""
-    if key in _NEEDS and getattr(cfg.training, key) == "on" and not (on_gpu and (_has_liger() or "liger" not in _NEEDS[key])):
-        raise ConfigError(f"training.{key}: on needs {_NEEDS[key]}; set it to auto or off")
-    if key == "packed_attention" and cfg.training.packed_attention == "flex_attention" and not on_gpu:
+    t = cfg.training
+    for key, needs in _NEEDS.items():
+        if getattr(t, key) == "on" and not (on_gpu and (_has_liger() or "liger" not in needs)):
+            raise ConfigError(f"training.{key}: on needs {needs}; set it to auto or off")
+    if t.packed_attention == "flex_attention" and not on_gpu:
         raise ConfigError("training.packed_attention: flex_attention needs a CUDA GPU (torch has no flex attention backward on "
                           "CPU); set it to auto, varlen or mask")
-    if key == "packed_attention" and cfg.training.packed_attention == "varlen" and not varlen:
+    if t.packed_attention == "varlen" and not varlen:
         raise ConfigError("training.packed_attention: varlen needs torch >= 2.10 (torch.nn.attention.varlen) and an Ampere or "
                           "newer GPU; set it to auto, flex_attention or mask")
 
@@ -102,8 +104,7 @@ def settings(cfg: RunConfig, longest: int | None = None) -> Settings:
     from stages.train.attention import varlen_available
 
     on_gpu, varlen = device().type == "cuda", varlen_available()
-    for key in [*_NEEDS, "packed_attention"]:
-        _check_forced(cfg, key, on_gpu, varlen)
+    _check_forced(cfg, on_gpu, varlen)
     resolved = resolve_auto(cfg, on_gpu=on_gpu, liger=_has_liger(), bnb=importlib.util.find_spec("bitsandbytes") is not None,
                             varlen=varlen, longest=longest)
     return Settings(**resolved, cross_entropy=cross_entropy(cfg))
