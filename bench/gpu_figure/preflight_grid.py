@@ -90,8 +90,9 @@ GRID = [
 ]
 
 
-def make_checkpoint(shape: str, root: Path, shapes: dict | None = None, **config_overrides) -> Path:
-    """A random-init bf16 checkpoint of `shape` (from `shapes`, default SHAPES) with the tiny default's tokenizer."""
+def make_checkpoint(shape: str, root: Path, shapes: dict | None = None, sparse: bool = False, **config_overrides) -> Path:
+    """A random-init bf16 checkpoint of `shape` (from `shapes`, default SHAPES) with the tiny default's tokenizer;
+    `sparse`: its data a hole that reads as zeros (sparse_checkpoint.py: a load then randomizes the weights)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     out = root / shape
@@ -103,10 +104,15 @@ def make_checkpoint(shape: str, root: Path, shapes: dict | None = None, **config
     for k, v in config_overrides.items():
         setattr(config, k, v)
     torch.manual_seed(0)
-    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    model.save_pretrained(out, max_shard_size="5GB")
-    del model
+    if sparse:
+        import sparse_checkpoint
+
+        sparse_checkpoint.write(config, out)
+    else:
+        with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        model.save_pretrained(out, max_shard_size="5GB")
+        del model
     gc.collect()
     torch.cuda.empty_cache()
     for f in ("tokenizer.model", "tokenizer_config.json"):

@@ -196,9 +196,10 @@ def run_stage(args, shape: dict, work: Path) -> dict:
     out = {"settings": {k: v for k, v in vars(settings).items()}, "overrides": overrides,
            "weights_gib": round(torch.cuda.memory_allocated() / 2**30, 3) if ON_GPU else None, "runs": {}}
     fit_done = False
-    for kind in args.data:
+    for kind, budget in [(k, b) for k in args.data for b in (args.budgets or [None])]:
+        at = {} if budget is None else {"training.max_tokens_per_batch": budget}
         for phase, steps, seed in (("warmup", 1, 100), ("timed", args.steps, 1)):
-            cfg = stage_config(model_dir, args, kind, steps, overrides)
+            cfg = stage_config(model_dir, args, kind, steps, overrides | at)
             data = rows(kind, steps * args.samples, args.max_length, shape["vocab_size"], seed)
             lens = [len(r["input_ids"]) for r in data]
             dataset, plan = batches.dataset(cfg, data, settings.packing, 1, lens)
@@ -212,8 +213,8 @@ def run_stage(args, shape: dict, work: Path) -> dict:
                                    disable_tqdm=True)
             r = measured(trainer, counter, clock, args.samples, steps)
             r["plan"] = plan.describe()
-            out["runs"][f"{kind}-{phase}"] = r
-            print("stage", kind, phase, r, flush=True)
+            out["runs"][f"{kind}-{phase}" + (f"@{budget}" if budget else "")] = r
+            print("stage", kind, phase, budget or "", r, flush=True)
             del trainer
     return out
 
@@ -265,8 +266,8 @@ def merge(dest: str, files: list[str]) -> None:
     peft = runs.get("peft", {}).get("result", {}).get("runs", {})
     for name, d in runs.items():
         for key, r in d.get("result", {}).get("runs", {}).items():
-            p = peft.get(key)
-            if name == "peft" or not p or not key.endswith("timed") or "samples_per_s" not in r:
+            p = peft.get(key.split("@")[0])
+            if name == "peft" or not p or not key.split("@")[0].endswith("timed") or "samples_per_s" not in r:
                 continue
             out["vs_peft"].setdefault(name, {})[key] = {
                 "speed": round(r["samples_per_s"] / p["samples_per_s"], 3),
@@ -292,6 +293,8 @@ def main() -> None:
     ap.add_argument("--max-length", type=int, default=2048)
     ap.add_argument("--r", type=int, default=16)
     ap.add_argument("--bf16", dest="qlora", action="store_false", help="stage: the 16-bit base instead of QLoRA")
+    ap.add_argument("--budgets", type=int, nargs="+", help="stage: train each data set once per packed micro-batch "
+                    "budget (training.max_tokens_per_batch), in one process; runs are named <data>-timed@<budget>")
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="stage: a config override")
     args = ap.parse_args()
     import peft

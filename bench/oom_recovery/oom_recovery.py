@@ -49,13 +49,18 @@ def write_data(path: Path, long_tokens: int) -> None:
     path.write_text("".join(json.dumps(rec(n)) + "\n" for n in lengths))
 
 
+TARGETS: list = [["q_proj", "v_proj", "o_proj"]]   # --targets
+QLORA = [False]                                      # --qlora
+
+
 def config(model_dir: Path, data: Path, work: Path, micro_batch: int):
     from stages.config import RunConfig
 
     return RunConfig.model_validate({
         "model": {"name_or_path": str(model_dir)},
         "data": {"train_file": str(data), "max_length": LONG_TOKENS[0], "long_sample_policy": "truncate", "num_proc": 1},
-        "lora": {"r": 64, "lora_alpha": 32, "target_modules": ["q_proj", "v_proj", "o_proj"], "lora_dropout": 0.0},
+        "lora": {"r": 64, "lora_alpha": 32, "target_modules": TARGETS[0], "lora_dropout": 0.0},
+        "quantization": {"load_in_4bit": QLORA[0]},
         "training": {"per_device_train_batch_size": micro_batch, "gradient_accumulation_steps": 4 // micro_batch, "packing": "off",
                      "train_sampling_strategy": "sequential", "max_steps": STEPS, "save_steps": SAVE, "logging_steps": 1,
                      "learning_rate": 1e-3, "warmup_steps": 0, "lr_scheduler_type": "constant"},
@@ -75,7 +80,12 @@ def main() -> None:
     ap.add_argument("--shape", default="qwen2.5-1.5b")
     ap.add_argument("--work", type=Path, default=Path("/tmp/oom-recovery"))
     ap.add_argument("--long-tokens", type=int, default=LONG)
+    ap.add_argument("--targets", default="q_proj,v_proj,o_proj", help="lora.target_modules: comma-separated names, or all-linear "
+                    "(attention and, on a MoE, every routed expert stack)")
+    ap.add_argument("--qlora", action="store_true", help="quantization.load_in_4bit: NF4 linear layers and expert stacks")
     a = ap.parse_args()
+    TARGETS[0] = a.targets if a.targets == "all-linear" else a.targets.split(",")
+    QLORA[0] = a.qlora
     import torch
     from capped_grid import shapes, trial
     from preflight_grid import make_checkpoint
@@ -94,7 +104,7 @@ def main() -> None:
         print(json.dumps(runs, indent=1), {k: losses(a.work / k / "train") for k in runs})
         return
     cap = 1.02 * runs["half"]["peak_reserved_gib"]
-    result = {"shape": a.shape, "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "cap_gib": round(cap, 3),
+    result = {"shape": a.shape, "targets": TARGETS[0], "qlora": QLORA[0], "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "cap_gib": round(cap, 3),
               "runs": runs}
     if cap >= runs["full"]["peak_alloc_gib"]:
         result["error"] = "the cap does not separate the two micro-batch sizes: raise --long-tokens"
