@@ -48,6 +48,23 @@ class Linear:
         return sum(i * o for i, o in self.shapes)
 
 
+@dataclass(frozen=True)
+class Attention:
+    """What a model's attention computes beyond causal softmax(QK^T / sqrt(d)) V, and the kernels transformers has for it.
+    SDPA and the packed varlen kernel compute none of the extras: on a model that has them they would train another
+    model than the one merged, exported and served."""
+
+    extras: tuple[str, ...] = ()          # logit soft-capping (Gemma-2), attention sinks (GPT-OSS)
+    sliding_window: int | None = None     # the window of its sliding-window layers, where it has some
+    sdpa: bool = True                     # transformers has an SDPA path for the class
+    flex: bool = False                    # ... and a flex_attention one
+
+    def varlen_misses(self, longest: int) -> list[str]:
+        """What the packed varlen kernel would leave out on samples of up to `longest` tokens."""
+        window = self.sliding_window is not None and longest > self.sliding_window
+        return list(self.extras) + ([f"a {self.sliding_window}-token sliding window (samples up to {longest} tokens)"] if window else [])
+
+
 @dataclass
 class Architecture:
     model_class: str
@@ -60,6 +77,8 @@ class Architecture:
     output_layer: str | None = None       # lm_head's leaf name: never a LoRA target under all-linear
     parameters: dict[str, tuple[int, ...]] = field(default_factory=dict, repr=False)  # name -> shape: what the weights must hold
     experts: MoeParts = field(default_factory=MoeParts)  # routed expert stacks (3-D parameters), routers, shared experts
+    attention: Attention = field(default_factory=Attention)
+    declared_experts: int = 0             # routed experts per layer, as config.json declares them
 
     @property
     def linear_params(self) -> int:
@@ -151,6 +170,8 @@ def from_config_text(text: str, trust_remote_code: bool = False, model_dir: str 
 
 def describe(model) -> Architecture:
     """An Architecture from a built model (meta device or real)."""
+    from torch import nn
+
     out = model.get_output_embeddings()
     out_name = next((n for n, m in model.named_modules() if m is out), None) if out is not None else None
     by_leaf: dict[str, list[tuple[int, int]]] = {}
@@ -159,8 +180,8 @@ def describe(model) -> Architecture:
         leaf = name.rsplit(".", 1)[-1]
         if leaf in ("q_norm", "k_norm", "q_layernorm", "k_layernorm"):
             qk_norm = True
-        if name == out_name or type(module).__name__ not in LINEAR_TYPES:
-            continue
+        if name == out_name or not (isinstance(module, nn.Linear) or type(module).__name__ in LINEAR_TYPES):
+            continue   # a subclass is a linear module to peft too (Falcon's FalconLinear)
         w = module.weight
         # torch Linear stores (out, in); GPT-2's Conv1D (in, out)
         i, o = (w.shape[0], w.shape[1]) if type(module).__name__ == "Conv1D" else (module.in_features, module.out_features)
@@ -177,7 +198,42 @@ def describe(model) -> Architecture:
     layers = getattr(model.config.get_text_config(), "num_hidden_layers", 0) or 0
     return Architecture(type(model).__name__, model.config.model_type, {k: Linear(k, tuple(v)) for k, v in by_leaf.items()},
                         total, layers, qk_norm, tied, out_name.rsplit(".", 1)[-1] if out_name else None, params,
-                        moe.fused_experts(model))
+                        moe.fused_experts(model), _attention(model, params), _declared_experts(model.config.get_text_config()))
+
+
+def _declared_experts(c) -> int:
+    n = next((getattr(c, k) for k in ("num_local_experts", "num_experts", "n_routed_experts") if getattr(c, k, None)), None)
+    n = n or getattr(getattr(c, "ffn_config", None), "moe_num_experts", None)   # DBRX
+    return int(max(n) if isinstance(n, list | tuple) else n or 0)
+
+
+def _attention(model, params: dict) -> Attention:
+    c = model.config.get_text_config()
+    window, types = getattr(c, "sliding_window", None), getattr(c, "layer_types", None)
+    if types is not None and "sliding_attention" not in types or types is None and getattr(c, "use_sliding_window", True) is False:
+        window = None   # Qwen2/3 carry a window they do not use
+    extras = [x for x, on in (("logit soft-capping", getattr(c, "attn_logit_softcapping", None)),
+                              ("attention sinks", any(n.endswith("self_attn.sinks") for n in params))) if on]
+    return Attention(tuple(extras), window, bool(getattr(type(model), "_supports_sdpa", True)),
+                     bool(getattr(type(model), "_supports_flex_attn", False)))
+
+
+def attention_implementation(requested: str, arch: Architecture | None, cuda: bool) -> str:
+    """model.attn_implementation for this model on this device. auto: sdpa where it computes the model's attention,
+    else flex_attention on a CUDA GPU (soft-capping, sinks and windows in its score and mask functions) and eager
+    elsewhere. sdpa asked of a model it cannot compute is a ConfigError naming what it would leave out."""
+    from stages.errors import ConfigError
+
+    a = arch.attention if arch else Attention()
+    if requested == "auto":
+        if a.sdpa and not a.extras:
+            return "sdpa"
+        return "flex_attention" if cuda and a.flex else "eager"
+    if requested == "sdpa" and (a.extras or not a.sdpa):
+        what = f"computes no {' or '.join(a.extras)}" if a.extras else "has no path in transformers"
+        raise ConfigError(f"model.attn_implementation: sdpa {what} for {arch.model_class}: it would train another model than the "
+                          "one exported; set it to auto (flex_attention on a GPU, eager elsewhere) or eager")
+    return requested
 
 
 def decoder_layers(model) -> list:
@@ -205,7 +261,15 @@ def resolve_targets(requested: list[str] | str, arch: Architecture) -> Targets:
     routers = {n.rsplit(".", 1)[-1] for n in parts.router_linears}
     have = list(arch.linears)
     if requested == "all-linear":
+        if arch.declared_experts > 1 and not parts.stacks:
+            raise ConfigError(
+                f"lora.target_modules: all-linear would leave the {arch.declared_experts} routed experts of {arch.model_class} "
+                "untrained (they are not the fused 3-D stacks, or the nn.Linear modules, LoRA adapts here) and adapt its "
+                f"attention alone; to train that, name the modules in lora.target_modules (its linear modules: {have})")
         modules = [n for n in have if n not in routers]  # a router trained by accident reroutes every token
+        if not modules and not parts.stacks:
+            raise ConfigError(f"lora.target_modules: all-linear finds no linear module or expert stack in {arch.model_class} that "
+                              "LoRA can adapt; name its modules in lora.target_modules")
         return _targets(arch, modules, [], list(parts.stacks))
     chosen, stacks, notes, unknown = [], [], [], []
     for name in requested:

@@ -59,9 +59,11 @@ class ModelSection(Section):
         "auto", description="Compute/storage dtype of the frozen base. auto: bfloat16 on a CUDA GPU "
         "that supports it, float32 on CPU (CPU bf16 matmuls are slow)."
     )
-    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = Field(
-        "sdpa", description="Attention kernel. sdpa picks flash/memory-efficient kernels on GPU; eager "
-        "materialises the seq x seq matrix (quadratic memory)."
+    attn_implementation: Literal["auto", "sdpa", "eager", "flex_attention", "flash_attention_2"] = Field(
+        "auto", description="Attention kernel. sdpa picks flash/memory-efficient kernels on GPU; eager "
+        "materialises the seq x seq matrix (quadratic memory). auto: sdpa, unless the model's attention computes what "
+        "SDPA does not (logit soft-capping: Gemma-2; attention sinks: GPT-OSS) or transformers has no SDPA path for it: "
+        "then flex_attention on a CUDA GPU, eager elsewhere."
     )
     trust_remote_code: bool = Field(
         False, description="Run Python code shipped with the model. Off: a model repo is data, not code."

@@ -87,8 +87,9 @@ class Shapes:
             layers=get("num_hidden_layers", "n_layer", "num_layers"), heads=heads,
             kv_heads=cfg.get("num_key_value_heads") or heads, head_dim=cfg.get("head_dim") or (hidden // heads if heads else 0),
             tied=bool(cfg.get("tie_word_embeddings", False)),
-            experts=int(cfg.get("num_local_experts") or cfg.get("num_experts") or 1),
-            top_k=int(cfg.get("num_experts_per_tok") or cfg.get("moe_topk") or cfg.get("top_k") or 1), unknown=unknown, arch=arch,
+            experts=_widest(cfg.get("num_local_experts") or cfg.get("num_experts") or cfg.get("n_routed_experts")
+                            or (cfg.get("ffn_config") or {}).get("moe_num_experts") or 1),
+            top_k=_widest(cfg.get("num_experts_per_tok") or cfg.get("moe_topk") or cfg.get("top_k") or 1), unknown=unknown, arch=arch,
         )
         name = (cfg.get("architectures") or ["?"])[0]
         if arch is None:
@@ -368,7 +369,8 @@ def _mask_and_attention_scores(step: _Step) -> float:
     b, seq = step.b, step.seq
     # a padded micro-batch's padding mask; a packed one's block-diagonal mask (with `mask` attention)
     mask = step.k["mask"] * b * seq * seq if b > 1 or step.gpu["packed_attention"] == "mask" else 0.0
-    if step.cfg.model.attn_implementation == "eager":  # the seq x seq scores, per head, saved per layer
+    eager = architecture.attention_implementation(step.cfg.model.attn_implementation, step.s.arch, step.on_gpu) == "eager"
+    if eager:  # the seq x seq scores, per head, saved per layer
         mask += b * step.s.heads * seq * seq * step.act * (2 if step.cfg.training.gradient_checkpointing else 2 * step.s.layers)
     return mask
 
@@ -442,3 +444,8 @@ def loss_mode(cfg: RunConfig, on_gpu: bool) -> str:
     if cfg.training.cross_entropy == "auto":
         return "chunked" if on_gpu and fused_loss_for(model_type(cfg)) else "plain"
     return cfg.training.cross_entropy
+
+
+def _widest(value) -> int:
+    """A per-model setting some releases give per layer (Hunyuan-A13B's moe_topk): the largest."""
+    return int(max(value) if isinstance(value, list | tuple) else value)

@@ -109,11 +109,24 @@ def run(cfg: RunConfig, adapter_dir: Path, out_dir: Path) -> MergeResult:
         merged.to(save_dtype).save_pretrained(merged_dir, safe_serialization=True)
         meter.extra |= {"max_abs_logit_diff": diff, "base": choice, "kl": kl}
     save_tokenizer(tokenizer, base_dir, merged_dir)
+    keep_release_names(base_dir, merged_dir)
     if (base_dir / "generation_config.json").is_file():
         shutil.copy2(base_dir / "generation_config.json", merged_dir / "generation_config.json")
     result = MergeResult(merged_dir, str(save_dtype).removeprefix("torch."), diff, meter.report, base=choice, kl=kl)
     result_files.save(out_dir, "merge", {"save_dtype": result.save_dtype, "max_abs_logit_diff": diff, "base": choice, "kl": kl})
     return result
+
+
+def keep_release_names(base_dir: Path, merged_dir: Path) -> None:
+    """The base's `architectures` (and `auto_map`) in the merged config.json. save_pretrained writes transformers' class
+    name, which is not always the release's (Phi-3.5-MoE: PhimoeForCausalLM for PhiMoEForCausalLM), and llama.cpp's
+    converter knows the release's: the preflight checked the base's name, the export must meet the same one."""
+    base = json.loads((base_dir / "config.json").read_text(encoding="utf-8"))
+    path = merged_dir / "config.json"
+    merged = json.loads(path.read_text(encoding="utf-8"))
+    kept = {k: base[k] for k in ("architectures", "auto_map") if k in base}
+    if any(merged.get(k) != v for k, v in kept.items()):
+        path.write_text(json.dumps(merged | kept, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
 def _merge(cfg: RunConfig, adapter_dir: Path, choice: str, sequences: list[list[int]]):

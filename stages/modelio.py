@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from stages import expert_lora, expert_nf4
+from stages import architecture, expert_lora, expert_nf4
 from stages.errors import ConfigError, ModelError
 from stages.modeldir import resolve_model_dir
 
@@ -151,7 +151,8 @@ def load_base(model: ModelSection, quant: QuantizationSection, *, quantized: boo
         base = AutoModelForCausalLM.from_pretrained(
             resolve_model_dir(model.name_or_path),
             dtype=dtype,
-            attn_implementation=model.attn_implementation,
+            attn_implementation=architecture.attention_implementation(model.attn_implementation, architecture.of_model(model),
+                                                                       device().type == "cuda"),
             trust_remote_code=model.trust_remote_code,
             use_safetensors=True,
             # One device, never "auto": a silent CPU offload turns an OOM into a 50x slowdown.

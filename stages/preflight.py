@@ -140,6 +140,7 @@ def run(cfg: RunConfig, out_dir: Path, gpu_memory_gib: float | None = None, *, t
         held_notes = check_held_out(cfg, tokenizer)  # what merge, export and smoke will read: stopped now, not after training
         device, budget = _budget(gpu_memory_gib or cfg.preflight.gpu_memory_gib)
         on_gpu = device != "cpu"
+        architecture.attention_implementation(cfg.model.attn_implementation, shapes.arch, on_gpu)  # one the model cannot use stops here
         # The CUDA context (driver, kernels) lives outside torch's allocator, which is what
         # the estimate and the probe measure; on a GPU it comes off the budget first.
         usable = (budget - (CUDA_CONTEXT_GIB if on_gpu else 0.0)) * (1 - cfg.preflight.margin)

@@ -147,18 +147,23 @@ def check_context(cfg: RunConfig, tokenizer) -> None:
                          "or lower smoke.max_tokens")
 
 
+def _per_layer(value, n_layers: int) -> list[int]:
+    """A GGUF attention setting, one number for every layer or one per layer (hybrid models), as a list per layer."""
+    return [int(v) for v in value] if isinstance(value, list) else [int(value)] * n_layers
+
+
 def plan_offload(info: dict, n_ctx: int, gpu_memory_gib: float | None, gpu_offload: bool) -> OffloadPlan:
     """How many repeating layers fit on the serving card, from the GGUF's own tensor sizes."""
     f = info["fields"]
     arch = f["general.architecture"]
     n_layers = int(f[f"{arch}.block_count"])
     n_embd = int(f[f"{arch}.embedding_length"])
-    n_head = int(f[f"{arch}.attention.head_count"])
-    n_kv = int(f.get(f"{arch}.attention.head_count_kv", n_head))
-    head_dim = int(f.get(f"{arch}.attention.key_length", n_embd // n_head))
+    n_head = _per_layer(f[f"{arch}.attention.head_count"], n_layers)
+    n_kv = _per_layer(f.get(f"{arch}.attention.head_count_kv", n_head), n_layers)   # 0 on a hybrid's recurrent layers
+    head_dim = int(f.get(f"{arch}.attention.key_length", n_embd // max(n_head) if max(n_head) else 0))
     layer_bytes = sum(b for n, b in info["tensor_bytes"].items() if re.match(r"blk\.\d+\.", n))
     other = sum(info["tensor_bytes"].values()) - layer_bytes
-    kv_layer = 2 * n_ctx * n_kv * head_dim * 2  # K and V, f16
+    kv_layer = 2 * n_ctx * sum(n_kv) / n_layers * head_dim * 2  # K and V, f16, the layers' mean
     layer_gib, kv_gib = layer_bytes / n_layers / GIB, kv_layer * n_layers / GIB
     plan = OffloadPlan(0, n_layers, round(layer_gib, 6), round(other / GIB, 6), round(kv_gib, 6), gpu_memory_gib, "")
     if gpu_memory_gib is None:

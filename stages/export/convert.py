@@ -66,8 +66,10 @@ def convert(meter: memory.track, converter: Path, merged_dir: Path, dst: Path, o
         tmp.unlink(missing_ok=True)
         if "No space left on device" in out:  # the converter's OSError, in its own process: said as the full disk it is
             raise errors.no_space(OSError(errno.ENOSPC, "No space left on device", str(tmp)))
+        last = next((line.strip() for line in reversed(out.splitlines()) if line.strip()), "")
         raise refusal(out, source or merged_dir) or RuntimeError(
-            f"convert_hf_to_gguf.py failed (exit {proc.returncode}) on {merged_dir}; the end of its output is above, all of it in {log}")
+            f"convert_hf_to_gguf.py failed (exit {proc.returncode}) on {merged_dir}: {last[:300]}; the end of its output is "
+            f"above, all of it in {log}")
     tmp.rename(dst)
     used = pre if MARK in out else None
     # With the pre-tokenizer named from tokenizer.json (and proven on the probe text later), the converter's banner
@@ -81,14 +83,13 @@ def convert(meter: memory.track, converter: Path, merged_dir: Path, dst: Path, o
 
 
 def command(converter: Path, model_dir: Path, outfile: Path, *options: str) -> tuple[list[str], dict | None, str | None]:
-    """(argv, environment, pre-tokenizer named from tokenizer.json or None) of the converter on `model_dir`."""
+    """(argv, environment, pre-tokenizer named from tokenizer.json or None) of the converter on `model_dir`, through the
+    `python -m stages.export.convert` launcher."""
     script = converter / "convert_hf_to_gguf.py"
     args = [str(model_dir), "--outfile", str(outfile), *options]
     pre = pre_tokenizer(model_dir)
-    if not pre:
-        return [sys.executable, str(script), *args], None, None
     env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    return [sys.executable, "-P", "-m", "stages.export.convert", pre, str(script), *args], env, pre
+    return [sys.executable, "-P", "-m", "stages.export.convert", pre or "", str(script), *args], env, pre
 
 
 def refusal(out: str, model_dir: Path) -> llamacpp.UnsupportedArchitecture | None:
@@ -101,7 +102,7 @@ def refusal(out: str, model_dir: Path) -> llamacpp.UnsupportedArchitecture | Non
             f"{unsupported.group(1)} of {model_dir / 'config.json'}; nothing can be exported. Use a base model of a supported family "
             "(Llama, Qwen2, Mistral, Gemma, Phi, ...) or a llama-cpp-python release whose converter lists it"
         )
-    if "BPE pre-tokenizer was not recognized" in out:
+    if "BPE pre-tokenizer was not recognized" in out and MARK not in out:   # with MARK the launcher named it; it failed later
         return llamacpp.UnsupportedArchitecture(
             f"llama.cpp's converter (llama-cpp-python {llamacpp.runtime_version()}) does not know the BPE pre-tokenizer of "
             f"{model_dir / 'tokenizer.json'}, and its pre_tokenizer is none of {sorted(PRE_TOKENIZERS)}; nothing can be exported. "
@@ -181,12 +182,20 @@ def _without(obj, key: str):
 
 
 def _launch(pre: str, script: Path, args: list[str]) -> None:
-    """Run the converter script as its own __main__, naming `pre` only where its table does not know the tokenizer."""
+    """Run the converter script as its own __main__, naming `pre` (if any) only where its table does not know the
+    tokenizer, and converting no multi-token-prediction layers: transformers drops them at load (Qwen3-Next's mtp.*,
+    DeepSeek's and GLM's NextN layers), so a merged model never has them, and the converter would assert it must
+    (its --no-mtp, refused by classes without MTP, hence the class default)."""
     sys.argv = [str(script), *args]
     sys.path[:0] = [str(script.parent)]  # what running the script directly puts first
     if "NO_LOCAL_GGUF" not in os.environ:
         sys.path.insert(1, str(script.parent / "gguf-py"))  # the converter's own gguf-py, as the script does
-    from conversion.base import TextModel
+    from conversion.base import ModelBase, TextModel
+
+    ModelBase.no_mtp = True
+    if not pre:
+        runpy.run_path(str(script), run_name="__main__")
+        return
 
     recognize = TextModel.get_vocab_base_pre
 

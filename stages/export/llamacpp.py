@@ -109,6 +109,9 @@ def captured_log():
         llama_cpp.llama_log_set(_logger.llama_log_callback, ctypes.c_void_p(0))
 
 
+MAX_PER_LAYER = 4096   # a numeric metadata array this long or shorter is a per-layer setting, kept whole
+
+
 def read_gguf(path: Path) -> dict:
     """Metadata and tensor types of a GGUF file, through gguf-py's reader.
 
@@ -126,8 +129,12 @@ def read_gguf(path: Path) -> dict:
         if key.startswith("GGUF."):
             continue
         if field.types and field.types[0] == GGUFValueType.ARRAY:
-            # Vocabularies are arrays of 100k+ entries: keep only their length.
-            fields[key] = {"array_len": len(field.data)}
+            # Vocabularies are arrays of 100k+ entries: keep only their length. Hybrid models (Jamba, LFM2) give
+            # per-layer settings as short arrays of numbers (head_count_kv 0 on a recurrent layer): kept whole.
+            if len(field.types) > 1 and field.types[1] != GGUFValueType.STRING and len(field.data) <= MAX_PER_LAYER:
+                fields[key] = field.contents()
+            else:
+                fields[key] = {"array_len": len(field.data)}
             continue
         value = field.contents()
         if isinstance(value, str) and len(value) > MAX_METADATA_STRING:

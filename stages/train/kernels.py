@@ -41,11 +41,19 @@ def resolve_auto(cfg: RunConfig, *, on_gpu: bool, liger: bool = True, bnb: bool 
     # worth it only when the widest micro-batch the data can make is long (padded: micro-batch x longest sample).
     widest = (batches.widest_packed(cfg, longest or cfg.data.max_length) if packed
               else t.per_device_train_batch_size * (longest or cfg.data.max_length))
+    # varlen computes plain causal attention: a model that soft-caps, has sinks or a window shorter than its samples
+    # gets its own attention over the packed mask (flex_attention on a GPU)
+    missed = varlen_misses(cfg, longest or cfg.data.max_length) if packed else []
+    if packed and t.packed_attention == "varlen" and missed:
+        raise ConfigError(f"training.packed_attention: varlen computes plain causal attention, without this model's "
+                          f"{', '.join(missed)}: it would train another model than the one exported; set it to auto "
+                          "(flex_attention on a GPU, the model's own attention over the packed mask elsewhere) or mask")
+    exact = varlen and not missed
     return {
         "packing": packed,
         "packed_attention": None if not packed else t.packed_attention if t.packed_attention != "auto"
         # on CPU the per-sample loop: 1.45x the mask's speed on long-tailed data (bench/packing_speed/results/packing_cpu.json)
-        else "varlen" if varlen else "mask",
+        else "varlen" if exact else "flex_attention" if on_gpu and _attention(cfg).flex else "mask",
         "widest_micro_batch": widest,
         "fused_kernels": t.fused_kernels == "on" or (t.fused_kernels == "auto" and on_gpu and liger),
         "offload_activations": t.offload_activations == "on"
@@ -58,6 +66,21 @@ def resolve_auto(cfg: RunConfig, *, on_gpu: bool, liger: bool = True, bnb: bool 
         "optim": t.optim if t.optim != "auto" else "adamw_torch" if t.distributed == "fsdp" else
         "paged_adamw_8bit" if memory_first and bnb else "adamw_torch_fused" if on_gpu else "adamw_torch",
     }
+
+
+def _attention(cfg: RunConfig):
+    from stages import architecture
+
+    try:
+        arch = architecture.of_model(cfg.model)
+    except Exception:  # noqa: BLE001 - a model that cannot be read is reported by the model checks, with the fix
+        arch = None
+    return arch.attention if arch else architecture.Attention()
+
+
+def varlen_misses(cfg: RunConfig, longest: int) -> list[str]:
+    """What the packed varlen kernel would not compute of this model's attention on samples of up to `longest` tokens."""
+    return _attention(cfg).varlen_misses(longest)
 
 
 @dataclass(frozen=True)
