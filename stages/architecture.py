@@ -221,7 +221,8 @@ def _attention(model, params: dict) -> Attention:
 def attention_implementation(requested: str, arch: Architecture | None, cuda: bool) -> str:
     """model.attn_implementation for this model on this device. auto: sdpa where it computes the model's attention,
     else flex_attention on a CUDA GPU (soft-capping, sinks and windows in its score and mask functions) and eager
-    elsewhere. sdpa asked of a model it cannot compute is a ConfigError naming what it would leave out."""
+    elsewhere. sdpa asked of a class transformers has no SDPA path for is a ConfigError; asked of a model whose
+    soft-capping it skips, it is the user's trade (sdpa_skips says what is skipped)."""
     from stages.errors import ConfigError
 
     a = arch.attention if arch else Attention()
@@ -229,11 +230,15 @@ def attention_implementation(requested: str, arch: Architecture | None, cuda: bo
         if a.sdpa and not a.extras:
             return "sdpa"
         return "flex_attention" if cuda and a.flex else "eager"
-    if requested == "sdpa" and (a.extras or not a.sdpa):
-        what = f"computes no {' or '.join(a.extras)}" if a.extras else "has no path in transformers"
-        raise ConfigError(f"model.attn_implementation: sdpa {what} for {arch.model_class}: it would train another model than the "
-                          "one exported; set it to auto (flex_attention on a GPU, eager elsewhere) or eager")
+    if requested == "sdpa" and not a.sdpa:
+        raise ConfigError(f"model.attn_implementation: sdpa: transformers has no SDPA path for {arch.model_class} "
+                          f"({' and '.join(a.extras) or 'its attention'}); set it to auto (flex_attention on a GPU, eager elsewhere) or eager")
     return requested
+
+
+def sdpa_skips(requested: str, arch: Architecture | None) -> list[str]:
+    """What of the model's attention an explicit `sdpa` leaves out (the preflight says it)."""
+    return list(arch.attention.extras) if requested == "sdpa" and arch else []
 
 
 def decoder_layers(model) -> list:

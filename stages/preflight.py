@@ -141,6 +141,9 @@ def run(cfg: RunConfig, out_dir: Path, gpu_memory_gib: float | None = None, *, t
         device, budget = _budget(gpu_memory_gib or cfg.preflight.gpu_memory_gib)
         on_gpu = device != "cpu"
         architecture.attention_implementation(cfg.model.attn_implementation, shapes.arch, on_gpu)  # one the model cannot use stops here
+        if skipped := architecture.sdpa_skips(cfg.model.attn_implementation, shapes.arch):
+            print(f"preflight: model.attn_implementation: sdpa trains {shapes.arch.model_class} without its {', '.join(skipped)}, "
+                  "which llama.cpp applies when it serves the model; auto computes it (flex_attention on a GPU)")
         # The CUDA context (driver, kernels) lives outside torch's allocator, which is what
         # the estimate and the probe measure; on a GPU it comes off the budget first.
         usable = (budget - (CUDA_CONTEXT_GIB if on_gpu else 0.0)) * (1 - cfg.preflight.margin)

@@ -35,9 +35,10 @@ def test_attention_is_the_one_the_model_computes():
     assert architecture.attention_implementation("auto", llama, cuda=True) == "sdpa"
     assert architecture.attention_implementation("auto", gpt_oss, cuda=False) == "eager"
     assert architecture.attention_implementation("auto", gemma2, cuda=True) == "flex_attention"
-    with pytest.raises(ConfigError, match=r"sdpa computes no logit soft-capping for Gemma2ForCausalLM.*set it to auto"):
-        architecture.attention_implementation("sdpa", gemma2, cuda=True)
-    with pytest.raises(ConfigError, match=r"sdpa computes no attention sinks for GptOssForCausalLM"):
+    # an explicit sdpa on a soft-capping model is the user's trade, said by the preflight; on a class without an SDPA path, refused
+    assert architecture.attention_implementation("sdpa", gemma2, cuda=True) == "sdpa"
+    assert architecture.sdpa_skips("sdpa", gemma2) == ["logit soft-capping"] and architecture.sdpa_skips("auto", gemma2) == []
+    with pytest.raises(ConfigError, match=r"sdpa: transformers has no SDPA path for GptOssForCausalLM \(attention sinks\); set it to auto"):
         architecture.attention_implementation("sdpa", gpt_oss, cuda=False)
 
 
@@ -72,6 +73,9 @@ def test_packing_keeps_varlen_off_a_soft_capped_model_and_refuses_it_forced(tmp_
     forced = load_config(write_config(tmp_path, model={"name_or_path": str(gemma2)}, training={"packed_attention": "varlen"}))
     with pytest.raises(ConfigError, match=r"varlen computes plain causal attention, without this model's logit soft-capping"):
         kernels.resolve_auto(forced, on_gpu=True)
+    # sdpa chosen: the soft-capping is given up already, varlen gives up nothing more
+    traded = load_config(write_config(tmp_path, model={"name_or_path": str(gemma2), "attn_implementation": "sdpa"}))
+    assert kernels.resolve_auto(traded, on_gpu=True)["packed_attention"] == "varlen"
 
 
 def test_linear_subclasses_are_adapted_and_a_model_with_none_is_refused():

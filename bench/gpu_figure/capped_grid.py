@@ -113,7 +113,7 @@ NEW_SHAPES = {
                       num_hidden_layers=26, num_attention_heads=8, num_key_value_heads=4, head_dim=256, vocab_size=256000,
                       max_position_embeddings=8192, rope_theta=10000.0, tie_word_embeddings=True, final_logit_softcapping=30.0,
                       attn_logit_softcapping=50.0, query_pre_attn_scalar=256, sliding_window=4096,
-                      hidden_activation="gelu_pytorch_tanh", pad_token_id=0),
+                      hidden_activation="gelu_pytorch_tanh", **MOE_IDS),   # the tiny default tokenizer's ids (the model checks compare them)
     # Mistral-Nemo-12B: heads x head_dim (4096) narrower than the width (5120), untied 131k table, 4:1 GQA, 40 layers
     "mistral-nemo-12b": dict(model_type="mistral", architectures=["MistralForCausalLM"], hidden_size=5120,
                              intermediate_size=14336, num_hidden_layers=40, num_attention_heads=32, num_key_value_heads=8,
@@ -151,6 +151,13 @@ NEW_SHAPES = {
                           num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
                           vocab_size=151936, max_position_embeddings=40960, rope_theta=1e6, rms_norm_eps=1e-6,
                           tie_word_embeddings=False, **MOE_IDS),
+    # GPT-OSS-20B (32 experts top-4 with biases and a clamped SwiGLU, attention sinks, 128-token sliding windows on every
+    # other layer, a 201k table): bf16 (the releases' MXFP4 dequantized), written sparse like the 30B
+    "gpt-oss-20b": dict(model_type="gpt_oss", architectures=["GptOssForCausalLM"], hidden_size=2880, intermediate_size=2880,
+                        num_hidden_layers=24, num_attention_heads=64, num_key_value_heads=8, head_dim=64, num_local_experts=32,
+                        num_experts_per_tok=4, vocab_size=201088, sliding_window=128,
+                        layer_types=["sliding_attention", "full_attention"] * 12, max_position_embeddings=131072,
+                        tie_word_embeddings=False, attention_bias=True, **MOE_IDS),
     # Mixtral-shaped (8 experts top-2, SwiGLU experts, 4:1 GQA), scaled to width 1024 and 16 layers
     "mixtral-1.5b-8e": dict(model_type="mixtral", architectures=["MixtralForCausalLM"], hidden_size=1024, intermediate_size=3584,
                           num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=4, num_local_experts=8,
@@ -225,6 +232,8 @@ ROWS = {
     "M8": ("mixtral-1.5b-8e", "bf16", "off", 2048, 4, 16, "all-linear"),
     # the issue's QLoRA goal: the whole Qwen3-30B-A3B, 2 x 2048 tokens per micro-batch, attention + every expert stack
     "M9": ("qwen3-30b-a3b", "nf4", "on", 2048, 2, 16, "all-linear"),
+    # GPT-OSS: sinks and sliding windows, which SDPA and the varlen kernel do not compute (flex_attention on a GPU)
+    "M10": ("gpt-oss-20b", "nf4", "on", 2048, 2, 16, "all-linear"),
     # G rows: a dense family Liger has no kernels for, at the project's defaults
     "G1": ("granite-3.3-2b", "nf4", "on", 4096, 2, 16, "all-linear"),
     "G2": ("granite-3.3-2b", "bf16", "off", 2048, 4, 16, "all-linear"),
@@ -234,7 +243,7 @@ ROWS = {
     "T4": ("tiny-moe", "nf4", "on", 256, 4, 8, "all-linear"),
 }
 STEPS, EVAL_EVERY = 20, 10
-SPARSE = {"qwen3-30b-a3b"}   # shapes whose checkpoint would not fit the device's disk (sparse_checkpoint.py)
+SPARSE = {"qwen3-30b-a3b", "gpt-oss-20b"}   # shapes whose checkpoint would not fit the device's disk (sparse_checkpoint.py)
 BELOW = 0.95  # validate: the stage capped at this fraction of the estimate must run out
 
 

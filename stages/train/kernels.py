@@ -79,8 +79,11 @@ def _attention(cfg: RunConfig):
 
 
 def varlen_misses(cfg: RunConfig, longest: int) -> list[str]:
-    """What the packed varlen kernel would not compute of this model's attention on samples of up to `longest` tokens."""
-    return _attention(cfg).varlen_misses(longest)
+    """What the packed varlen kernel would not compute of this model's attention on samples of up to `longest` tokens
+    (beyond what an explicit model.attn_implementation: sdpa already gives up)."""
+    a = _attention(cfg)
+    missed = a.varlen_misses(longest)
+    return missed[len(a.extras):] if cfg.model.attn_implementation == "sdpa" else missed
 
 
 @dataclass(frozen=True)
