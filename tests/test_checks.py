@@ -25,9 +25,9 @@ from pathlib import Path
 import pytest
 
 from stages import checks, data, errors, modelcheck
-from stages.train import tracking
 from stages.config import load_config
 from stages.modelio import load_tokenizer
+from stages.train import tracking
 from tests.conftest import DEFAULT, REPO, write_config
 
 TINY = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

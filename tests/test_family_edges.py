@@ -127,8 +127,9 @@ def test_the_serving_plan_reads_per_layer_kv_heads():
 @pytest.mark.filterwarnings("ignore")
 def test_the_converter_is_never_asked_for_multi_token_prediction_layers(tmp_path):
     """transformers drops Qwen3-Next's mtp.* at load, so a merged one has none, and the converter asserted it must."""
-    from stages.export import llamacpp, vocab
     from transformers import AutoConfig, AutoModelForCausalLM
+
+    from stages.export import llamacpp, vocab
 
     out = tmp_path / "qwen3_next"
     config = AutoConfig.for_model("qwen3_next", **SMALL, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,

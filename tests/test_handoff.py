@@ -105,7 +105,6 @@ def test_the_bundle_stops_where_llama_cpp_stops_gemma_s_end_of_turn_included(tmp
 
 def test_disk_full_mid_write_publishes_nothing(tmp_path, monkeypatch):
     import errno
-    import shutil
 
     cfg = load_config(write_config(tmp_path))
     a = publish(cfg, "v1", [("Q4_K_M", gguf(tmp_path, "model-Q4_K_M.gguf", b"one"))], tmp_path)

@@ -801,8 +801,8 @@ def _champion_and_challenger(tmp_path: Path, damage) -> tuple:
     """A champion published by the hand-off, damaged by `damage(bundle)`, then a challenger judged far worse on the
     same held-out data: the hand-off as the flow calls it."""
     from stages.config import load_config
-    from tests.test_handoff import _judged
     from tests.conftest import write_config
+    from tests.test_handoff import _judged
 
     cfg = load_config(write_config(tmp_path))
     first = _judged(cfg, "v1", tmp_path, 1.0, 0.010, 1.00)

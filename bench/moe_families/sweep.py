@@ -63,8 +63,9 @@ NEW: dict[str, tuple[str, dict]] = {
     "hunyuan_v1_moe": ("tiny-chatml", dict(intermediate_size=256, num_experts=4, moe_topk=[2, 2], num_shared_expert=[1, 1],
                                            moe_intermediate_size=[256, 256], use_qk_norm=True, eod_token_id=2)),
     # transformers reads ernie4_5(_moe) / nemotron with TokenizersBackend (MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS): tokenizer.json
+    # llama.cpp: the shared experts' width is intermediate_size // kv_heads
     "ernie4_5_moe": ("tiny-llama", dict(_tokenizer_json=True, intermediate_size=512, moe_intermediate_size=128, moe_num_experts=4, moe_k=2,
-                                         moe_num_shared_experts=2, moe_layer_start_index=0, moe_layer_end_index=1)),   # llama.cpp: shared width = intermediate_size // kv_heads
+                                         moe_num_shared_experts=2, moe_layer_start_index=0, moe_layer_end_index=1)),
     # llama.cpp's dots1 has no GQA (its releases have as many KV heads as query heads)
     "dots1": ("tiny-chatml", dict(intermediate_size=512, num_key_value_heads=4, scoring_func="sigmoid",
                                   moe_intermediate_size=128, n_routed_experts=4, n_shared_experts=1,
@@ -74,10 +75,6 @@ NEW: dict[str, tuple[str, dict]] = {
                                         num_experts_per_tok=1, moe_layers=[0, 1, 2, 3], interleave_moe_layer_step=1,
                                         num_hidden_layers=4, no_rope_layers=[1, 1, 1, 0], attention_chunk_size=128,
                                         layer_types=["chunked_attention"] * 3 + ["full_attention"])),
-    # the default attn_implementation (sdpa) first, then eager, which GPT-OSS's modeling accepts
-    "gpt_oss@eager": ("tiny-chatml", dict(intermediate_size=256, num_local_experts=4, sliding_window=128,
-                                          layer_types=["sliding_attention", "full_attention"],
-                                          _model={"attn_implementation": "eager"}, **MOE)),
     "minimax": ("tiny-chatml", dict(intermediate_size=256, num_local_experts=4,
                                     layer_types=["linear_attention", "full_attention"], **MOE)),
     # scoring_func: the releases' config.json names the router's gating (the converter writes expert_gating_func from it;
@@ -88,12 +85,6 @@ NEW: dict[str, tuple[str, dict]] = {
                                        num_experts=4, linear_key_head_dim=32, linear_value_head_dim=32,
                                        linear_num_key_heads=2, linear_num_value_heads=4,
                                        layer_types=["linear_attention", "full_attention"], **MOE)),
-    # what the export would do if it passed --no-mtp to the converter (a runtime patch of stages.export.convert.command
-    # in this process only; the product is unchanged): transformers drops Qwen3-Next's mtp.* weights at load
-    "qwen3_next@no-mtp": ("tiny-chatml", dict(intermediate_size=512, moe_intermediate_size=128,
-                                              shared_expert_intermediate_size=128, num_experts=4, linear_key_head_dim=32,
-                                              linear_value_head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
-                                              layer_types=["linear_attention", "full_attention"], _no_mtp=True, **MOE)),
     "jamba": ("tiny-llama", dict(_tokenizer_json=True, intermediate_size=256, num_experts=4, expert_layer_period=2, expert_layer_offset=1,
                                  attn_layer_period=2, attn_layer_offset=1, mamba_d_state=8, mamba_dt_rank=16,
                                  use_mamba_kernels=False, head_dim=DROP, **MOE)),
@@ -141,8 +132,8 @@ NEW: dict[str, tuple[str, dict]] = {
     "arcee": ("tiny-chatml", dict(intermediate_size=512)),
     "nemotron": ("tiny-llama", dict(intermediate_size=512, _tokenizer_json=True)),
 }
-MOE_NEW = {"qwen2_moe", "gpt_oss", "gpt_oss@eager", "deepseek_v2", "deepseek_v3", "phimoe", "glm4_moe", "hunyuan_v1_moe", "ernie4_5_moe", "dots1",
-           "llama4_text", "minimax", "minimax_m2", "flex_olmo", "qwen3_next", "qwen3_next@no-mtp", "jamba", "dbrx", "granitemoeshared", "lfm2_moe",
+MOE_NEW = {"qwen2_moe", "gpt_oss", "deepseek_v2", "deepseek_v3", "phimoe", "glm4_moe", "hunyuan_v1_moe", "ernie4_5_moe", "dots1",
+           "llama4_text", "minimax", "minimax_m2", "flex_olmo", "qwen3_next", "jamba", "dbrx", "granitemoeshared", "lfm2_moe",
            "glm4_moe_lite", "afmoe", "exaone_moe"}
 STAGES = ("build", "preflight", "train", "merge", "export", "smoke")
 
@@ -218,10 +209,10 @@ def run_one(family: str, work: Path) -> dict:
 
     import torch
     torch.set_num_threads(1)
-    from tests import test_families as tf
     from stages import merge, preflight, smoke
     from stages.export import stage as export_stage
     from stages.train import stage as train_stage
+    from tests import test_families as tf
 
     if work.exists():
         shutil.rmtree(work)
@@ -233,10 +224,6 @@ def run_one(family: str, work: Path) -> dict:
         cfg_json = json.loads((model_dir / "config.json").read_text())
         rec["architectures"] = cfg_json.get("architectures")
         cfg = tf._config(work, model_dir, asset)
-        if NEW[family][1].get("_no_mtp"):
-            from stages.export import convert as _convert
-            _command = _convert.command
-            _convert.command = lambda converter, model_dir, outfile, *options: _command(converter, model_dir, outfile, *options, "--no-mtp")
         if model := NEW[family][1].get("_model"):
             cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update=model)})
         rec["stage_reached"] = "preflight"
