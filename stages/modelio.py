@@ -121,6 +121,18 @@ def _check_bitsandbytes() -> None:
         raise ConfigError("quantization.load_in_4bit: bitsandbytes NF4 runs on CUDA and CPU, not on Apple MPS; set it to false")
 
 
+def attention_for(requested: str, arch) -> str:
+    """model.attn_implementation for `arch` on this device (architecture.attention_implementation)."""
+    return architecture.attention_implementation(requested, arch, device().type == "cuda")
+
+
+def attention_of_dir(model_dir: Path) -> str | None:
+    """The attention `auto` gives the model in `model_dir` (a merged model: what its reference logits are computed
+    with); None, transformers' own choice, where the architecture cannot be built here."""
+    arch = architecture.from_config_text((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
+    return attention_for("auto", arch) if arch else None
+
+
 def load_base(model: ModelSection, quant: QuantizationSection, *, quantized: bool | None = None, sharded: bool = False):
     """The frozen base, in train-ready form: 16-bit or (QLoRA) NF4, on the one device.
 
@@ -151,8 +163,7 @@ def load_base(model: ModelSection, quant: QuantizationSection, *, quantized: boo
         base = AutoModelForCausalLM.from_pretrained(
             resolve_model_dir(model.name_or_path),
             dtype=dtype,
-            attn_implementation=architecture.attention_implementation(model.attn_implementation, architecture.of_model(model),
-                                                                       device().type == "cuda"),
+            attn_implementation=attention_for(model.attn_implementation, architecture.of_model(model)),
             trust_remote_code=model.trust_remote_code,
             use_safetensors=True,
             # One device, never "auto": a silent CPU offload turns an OOM into a 50x slowdown.

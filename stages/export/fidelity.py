@@ -63,10 +63,10 @@ def reference(merged_dir: Path, sequences: list[list[int]]) -> list[torch.Tensor
     """The merged HF model's next-token log-probabilities per sequence."""
     from transformers import AutoModelForCausalLM
 
-    from stages.modelio import compute_dtype, device
+    from stages.modelio import attention_of_dir, compute_dtype, device
 
     model = AutoModelForCausalLM.from_pretrained(merged_dir, dtype=compute_dtype("auto"), device_map={"": str(device())},
-                                                 use_safetensors=True)
+                                                 use_safetensors=True, attn_implementation=attention_of_dir(merged_dir))
     try:
         return log_probs(model, sequences)
     finally:

@@ -190,10 +190,10 @@ def importance_matrix(cfg: RunConfig, tokenizer, merged_dir: Path, base: Path, o
     else:
         from transformers import AutoModelForCausalLM
 
-        from stages.modelio import compute_dtype, device
+        from stages.modelio import attention_of_dir, compute_dtype, device
 
         model = AutoModelForCausalLM.from_pretrained(merged_dir, dtype=compute_dtype("auto"), device_map={"": str(device())},
-                                                     use_safetensors=True)
+                                                     use_safetensors=True, attn_implementation=attention_of_dir(merged_dir))
         try:
             imat = imatrix.from_run(cfg, tokenizer, model, llamacpp.read_gguf(base))
         finally:
