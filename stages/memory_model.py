@@ -43,7 +43,7 @@ COEF = dict(
     logits=14.07,       # bytes per logit element, plain cross-entropy (bf16 logits, fp32 upcast, fp32 grad; earlier grid)
     frag_logits=0.005,  # reserved - allocated, per plain-CE logit element (earlier grid)
     routed_i=12.0,      # x S*I_e*act, S = tokens x top-k routed slots: one MoE layer's expert tensors and grads in recompute +
-    routed_h=11.0,      # x S*H*act  backward (gathered inputs, gate/up, products, outputs; counted from autograd's saved
+    routed_h=12.0,      # x S*H*act  backward (gathered inputs, gate/up, products, outputs; counted from autograd's saved
                         # tensors on CPU, tiny Qwen3-MoE; not fitted on a GPU grid)
 )
 

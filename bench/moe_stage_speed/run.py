@@ -52,12 +52,14 @@ def _load(name: str):
     return module
 
 
-_speed, _qlora = _load("moe_speed"), _load("moe_qlora")
+_speed, _qlora, _profile = _load("moe_speed"), _load("moe_qlora"), _load("moe_profile")
 # a CPU dry run's shape: the same family, small enough for two cores
 SHAPES = _speed.SHAPES | {"tiny-qwen3-moe": dict(_speed.SHAPES["qwen3-30b-a3b"], hidden_size=64, intermediate_size=128,
                                                  moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
                                                  num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
-                                                 vocab_size=512)}
+                                                 vocab_size=512),
+                           # the 30B's layer shapes, 4 layers of 48: where the host waits, in a minute of device time
+                           "qwen3-30b-a3b-4-layers": dict(_speed.SHAPES["qwen3-30b-a3b"], num_hidden_layers=4)}
 ON_GPU = torch.cuda.is_available()
 
 
@@ -179,10 +181,20 @@ def write_model_dir(shape: dict, where: Path) -> Path:
     return where
 
 
+def _before():
+    """stages/expert_lora.py as it was before a change, saved beside this script (`before` variant: an A/B in one
+    process; not committed)."""
+    spec = importlib.util.spec_from_file_location("before_expert_lora", Path(__file__).with_name("_before_expert_lora.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def run_stage(args, shape: dict, work: Path) -> dict:
     from stages.train import batches, kernels
     from stages.train import model as train_model
     from stages.train.hf_trainer import make_trainer
+    from stages import expert_lora
     from stages.train.stage import choose_fit
 
     overrides = dict(o.split("=", 1) for o in args.set)
@@ -195,9 +207,14 @@ def run_stage(args, shape: dict, work: Path) -> dict:
     counter = Counter(model)
     out = {"settings": {k: v for k, v in vars(settings).items()}, "overrides": overrides,
            "weights_gib": round(torch.cuda.memory_allocated() / 2**30, 3) if ON_GPU else None, "runs": {}}
+    out["compiled_experts"] = expert_lora.use_compiled(model, on=False)   # what build_model turned on, on a GPU
+    _grouped_lora_forward = expert_lora.grouped_lora_forward
     fit_done = False
-    for kind, budget in [(k, b) for k in args.data for b in (args.budgets or [None])]:
+    for kind, budget, variant in [(k, b, v) for k in args.data for b in (args.budgets or [None]) for v in args.variants]:
         at = {} if budget is None else {"training.max_tokens_per_batch": budget}
+        # the experts' routed math compiled (the default on a GPU: training.fused_kernels) or eager
+        expert_lora.use_compiled(model, on=variant == "compiled" and out["compiled_experts"] > 0)
+        expert_lora.grouped_lora_forward = _before().grouped_lora_forward if variant == "before" else _grouped_lora_forward
         for phase, steps, seed in (("warmup", 1, 100), ("timed", args.steps, 1)):
             cfg = stage_config(model_dir, args, kind, steps, overrides | at)
             data = rows(kind, steps * args.samples, args.max_length, shape["vocab_size"], seed)
@@ -213,8 +230,18 @@ def run_stage(args, shape: dict, work: Path) -> dict:
                                    disable_tqdm=True)
             r = measured(trainer, counter, clock, args.samples, steps)
             r["plan"] = plan.describe()
-            out["runs"][f"{kind}-{phase}" + (f"@{budget}" if budget else "")] = r
-            print("stage", kind, phase, budget or "", r, flush=True)
+            name = f"{kind}-{phase}" + (f"@{budget}" if budget else "") + ("" if variant == "compiled" else f"-{variant}")
+            out["runs"][name] = r
+            print("stage", kind, phase, budget or "", variant, r, flush=True)
+            del trainer
+        if phase == "timed" and ON_GPU and budget in (args.profile or []) and variant == args.variants[0]:
+            trainer = make_trainer(stage_config(model_dir, args, kind, 1, overrides | at), model,
+                                   batches.dataset(stage_config(model_dir, args, kind, 1, overrides | at),
+                                                   rows(kind, args.samples, args.max_length, shape["vocab_size"], 7),
+                                                   settings.packing, 1, [args.max_length] * args.samples)[0],
+                                   collator, work / "profile", settings=settings, disable_tqdm=True)
+            out["profile"] = {"at": name, **_profile.profiled(trainer.train, stacks=args.stacks)}
+            print("profile", json.dumps(out["profile"])[:3000], flush=True)
             del trainer
     return out
 
@@ -296,6 +323,12 @@ def main() -> None:
     ap.add_argument("--budgets", type=int, nargs="+", help="stage: train each data set once per packed micro-batch "
                     "budget (training.max_tokens_per_batch), in one process; runs are named <data>-timed@<budget>")
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="stage: a config override")
+    ap.add_argument("--variants", nargs="+", default=["compiled"], choices=["compiled", "eager", "before"],
+                    help="stage: the experts' routed math compiled (the GPU default) and/or eager, each timed; eager runs "
+                    "are named <run>-eager")
+    ap.add_argument("--stacks", action="store_true", help="stage: the profile also says where the host syncs (Python stacks)")
+    ap.add_argument("--profile", type=int, nargs="*", help="stage: after the timed runs at these budgets, one more step "
+                    "of the first variant under torch.profiler (kernels by kind, GPU busy share)")
     args = ap.parse_args()
     import peft
     import transformers
