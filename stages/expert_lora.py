@@ -14,9 +14,6 @@ torch._grouped_mm: 2-D x 3-D computes mat_a[rows of g] @ mat_b[g], offs int32 cu
 
 from __future__ import annotations
 
-import functools
-import weakref
-
 import torch
 from torch import nn
 
@@ -110,10 +107,9 @@ def offsets(groups: torch.Tensor, experts: int) -> torch.Tensor:
 
 
 def _project(experts: nn.Module, name: str, x: torch.Tensor, offs: torch.Tensor, groups: torch.Tensor,
-             factors: dict[str, Factors], w: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ W_e^T (+ LoRA, + bias) per expert group; `w` the stack already in 16 bits (the compiled path), else the
-    module's own, NF4 dequantized here."""
-    w = getattr(experts, name) if w is None else w
+             factors: dict[str, Factors]) -> torch.Tensor:
+    """x @ W_e^T (+ LoRA, + bias) per expert group, an NF4 stack dequantized on the fly."""
+    w = getattr(experts, name)
     if expert_nf4.is_nf4(w):
         y = _NF4GroupedMM.apply(x, w, offs, bool(experts.is_transposed))
     else:
@@ -162,143 +158,37 @@ class _Combine(torch.autograd.Function):
         return grad.reshape(-1, grad.shape[-1]).index_select(0, order), None, None, None
 
 
-def _sorted(top_k_index: torch.Tensor, experts: int):
-    """The routed slots sorted by expert: each slot's expert, its position in the flattened top-k, the inverse
-    permutation, and the groups' cumulative ends."""
-    groups, order = torch.sort(top_k_index.reshape(-1))
-    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
-    return groups, order, inverse, offsets(groups, experts)
-
-
 def routed(experts: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, factors: dict[str, Factors] | None = None):
     """The routed slots sorted by expert: (groups, order, offs, x, h): each slot's expert, its position in the
     flattened top-k, the groups' cumulative ends, its input row and its gated activation (the down projection's
     input), with LoRA `factors` on the up projection."""
-    top_k = top_k_index.shape[-1]
-    groups, order, inverse, offs = _sorted(top_k_index, experts.num_experts)
-    x = _Dispatch.apply(hidden_states, order, inverse, top_k)
-    h = _project(experts, _up(experts), x, offs, groups, factors or {})
-    h = experts._apply_gate(h) if experts.has_gate else experts.act_fn(h)
+    groups, order, _, offs, x, h = _routed(experts, hidden_states, top_k_index, factors or {})
     return groups, order, offs, x, h
 
 
-def _up(experts: nn.Module) -> str:
-    return "gate_up_proj" if experts.has_gate else "up_proj"
+def _routed(experts: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, factors: dict[str, Factors]):
+    top_k = top_k_index.shape[-1]
+    groups, order = torch.sort(top_k_index.reshape(-1))
+    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    offs = offsets(groups, experts.num_experts)
+    x = _Dispatch.apply(hidden_states, order, inverse, top_k)
+    h = _project(experts, "gate_up_proj" if experts.has_gate else "up_proj", x, offs, groups, factors)
+    h = experts._apply_gate(h) if experts.has_gate else experts.act_fn(h)
+    return groups, order, inverse, offs, x, h
 
 
 def grouped_lora_forward(experts: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                          top_k_weights: torch.Tensor, factors: dict[str, Factors]) -> torch.Tensor:
     """A transformers experts module's forward (grouped_mm path, no expert parallelism) with LoRA `factors`
     by parameter name added on the routed tokens only. `experts` is the unwrapped module."""
-    if getattr(experts, "_compiled", None) is not None and experts._compiled() and not _broken:
-        try:
-            return _compiled_forward(experts, hidden_states, top_k_index, top_k_weights, factors)
-        except torch._dynamo.exc.TorchDynamoException as e:   # a compiler that cannot build it here: eager, said once
-            _broken.append(f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
-            print(f"train: the experts' routed math could not be compiled here ({_broken[0]}); it runs eagerly")
-    top_k = top_k_index.shape[-1]
-    groups, order, inverse, offs = _sorted(top_k_index, experts.num_experts)
-    x = _Dispatch.apply(hidden_states, order, inverse, top_k)
-    h = _project(experts, _up(experts), x, offs, groups, factors)
-    h = experts._apply_gate(h) if experts.has_gate else experts.act_fn(h)
+    groups, order, inverse, offs, _, h = _routed(experts, hidden_states, top_k_index, factors)
     y = _project(experts, "down_proj", h, offs, groups, factors)
-    return _weighted(_Combine.apply(y, order, inverse, top_k), top_k_weights, hidden_states.dtype)
+    return _weighted(_Combine.apply(y, order, inverse, top_k_index.shape[-1]), top_k_weights, hidden_states.dtype)
 
 
 def _weighted(y: torch.Tensor, top_k_weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     # each token's top-k outputs weighted and summed in one batched matmul: [T, 1, k] @ [T, k, out]
     return torch.bmm(top_k_weights.reshape(-1, 1, y.shape[1]).to(y.dtype), y).squeeze(1).to(dtype)
-
-
-# The compiled path (GPU, training.fused_kernels): the routed math above as one torch.compile'd function of tensors,
-# shared by every layer, so its elementwise ops fuse (the LoRA sums, the SiLU gate, the gathers) and ~25 eager
-# kernels and their dispatch per layer and pass become a few. NF4 stacks are dequantized before it, eagerly, and
-# the graph saves the 16-bit copy for its backward: taken only in checkpointed layers, whose first forward saves
-# nothing and whose recompute runs just before the layer's backward (the eager path saves a placeholder instead).
-
-def _silu_glu(h: torch.Tensor) -> torch.Tensor:
-    gate, up = h.chunk(2, dim=-1)   # transformers' default _apply_gate with a SiLU act_fn
-    return torch.nn.functional.silu(gate) * up
-
-
-def _math(hidden, top_k_index, top_k_weights, w_up, w_down, a_up, b_up, a_down, b_down, s_up: float, s_down: float,
-          experts: int, transposed: bool):
-    top_k = top_k_index.shape[-1]
-    groups, order, inverse, offs = _sorted(top_k_index, experts)
-    x = _Dispatch.apply(hidden, order, inverse, top_k)
-
-    def project(x, w, a, b, s):
-        y = torch.nn.functional.grouped_mm(x, w if transposed else w.transpose(-2, -1), offs=offs)
-        if a is None:
-            return y
-        a, b = (a * s).to(x.dtype), b.to(x.dtype)
-        return y + torch.nn.functional.grouped_mm(torch.nn.functional.grouped_mm(x, a.transpose(-2, -1), offs=offs),
-                                                  b.transpose(-2, -1), offs=offs)
-
-    h = _silu_glu(project(x, w_up, a_up, b_up, s_up))
-    y = project(h, w_down, a_down, b_down, s_down)
-    return _weighted(_Combine.apply(y, order, inverse, top_k), top_k_weights, hidden.dtype)
-
-
-_broken: list[str] = []   # why compiling failed in this process, once it has
-
-
-@functools.cache
-def compiled_math(backend: str = "inductor"):
-    """_math compiled once per process (each shape recompiles once, then as dynamic)."""
-    return torch.compile(_math, backend=backend, fullgraph=True)
-
-
-def compilable(experts: nn.Module) -> bool:
-    """Whether the compiled path computes this experts module exactly: SiLU-gated, no biases (Qwen-MoE, OLMoE,
-    Mixtral, Granite-MoE, DeepSeek, ...; GPT-OSS's gate and biases stay eager), grouped_mm's aligned shapes."""
-    gate = getattr(type(experts), "_apply_gate", None)
-    if not (experts.has_gate and not experts.has_bias and getattr(gate, "__name__", "") == "_default_apply_gate"
-            and type(getattr(experts, "act_fn", None)).__name__ in ("SiLUActivation", "SiLU")
-            and hasattr(torch.nn.functional, "grouped_mm")):
-        return False
-    return all(n % 8 == 0 for p in (experts.gate_up_proj, experts.down_proj) for n in _shape(p)[1:])
-
-
-def _shape(p: torch.Tensor) -> tuple[int, ...]:
-    return tuple(p.quant_state.shape) if expert_nf4.is_nf4(p) else tuple(p.shape)
-
-
-def _compiled_forward(experts, hidden_states, top_k_index, top_k_weights, factors):
-    where = hidden_states.device.type
-    dtype = torch.get_autocast_dtype(where) if torch.is_autocast_enabled(where) else hidden_states.dtype
-    w = [(expert_nf4.dequantize(p) if expert_nf4.is_nf4(p) else p).to(dtype)
-         for p in (experts.gate_up_proj, experts.down_proj)]
-    (a_up, b_up, s_up), (a_dn, b_dn, s_dn) = (factors.get(n, (None, None, 1.0)) for n in ("gate_up_proj", "down_proj"))
-    with torch.autocast(where, enabled=False):   # the math picks its dtypes itself, as the eager path under autocast
-        y = compiled_math()(hidden_states.to(dtype), top_k_index, top_k_weights, *w, a_up, b_up, a_dn, b_dn,
-                            float(s_up), float(s_dn), experts.num_experts, bool(experts.is_transposed))
-    return y.to(hidden_states.dtype)
-
-
-def _compile_when(experts: nn.Module, layer: nn.Module | None):
-    """What an experts module asks before each forward: compile it (inside a checkpointed layer, or 16-bit stacks)."""
-    nf4 = any(expert_nf4.is_nf4(p) for p in experts.parameters(recurse=False))
-    ref = weakref.ref(layer) if layer is not None else None   # no cycle through the module's own __dict__
-    return lambda: not nf4 or ref is None or bool(getattr(ref(), "gradient_checkpointing", False))
-
-
-def use_compiled(model: nn.Module, on: bool = True) -> int:
-    """Every experts module the compiled path computes exactly takes it (`on`, CUDA only) or leaves it; returns
-    how many changed. Its decoder layer's checkpointing is read at each forward (fit: speed changes it after the build)."""
-    from stages import architecture
-
-    n = 0
-    for layer in architecture.decoder_layers(model) or [None]:
-        for module in (layer or model).modules():
-            if not hasattr(module, "lora_A") and moe.computable(module) and hasattr(module, "gate_up_proj") \
-                    and compilable(module):
-                n += on or "_compiled" in module.__dict__
-                if on:
-                    module.__dict__["_compiled"] = _compile_when(module, layer)
-                else:
-                    module.__dict__.pop("_compiled", None)
-    return n
 
 
 def grouped_forward(experts: nn.Module, hidden_states, top_k_index, top_k_weights):

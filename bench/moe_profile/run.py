@@ -74,25 +74,17 @@ def profile(model, opt, batches, steps: int) -> dict:
     return profiled(run, steps)
 
 
-def profiled(run, steps: int = 1, stacks: bool = False) -> dict:
+def profiled(run, steps: int = 1) -> dict:
     """`run()` (`steps` steps) under torch.profiler: the kernels by GPU time and kind, the GPU's busy share of the
-    wall time, the host's top ops; per step. `stacks`: also where the host copies to or reads from the device
-    (the Python stacks of the ops that do, by count)."""
+    wall time, the host's top ops; per step."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as prof
 
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    with prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=stacks) as p:
+    with prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
         run()
         torch.cuda.synchronize()
-    extra = {}
-    if stacks:
-        syncing = ("aten::_local_scalar_dense", "aten::_to_copy", "aten::copy_", "aten::nonzero", "cudaStreamSynchronize")
-        rows = [e for e in p.key_averages(group_by_stack_n=8) if e.key in syncing]
-        extra["host_syncs_by_stack"] = [{"op": e.key, "calls": e.count // steps, "cpu_ms": round(e.cpu_time_total / 1e3 / steps, 1),
-                                         "stack": [f for f in e.stack if "/torch/" not in f][:6] or e.stack[:4]}
-                                        for e in sorted(rows, key=lambda e: -e.count)[:25]]
     wall = (time.perf_counter() - t0) / steps
     kernels: dict[str, list] = {}
     for e in p.events():
@@ -106,7 +98,7 @@ def profiled(run, steps: int = 1, stacks: bool = False) -> dict:
         kinds[kind(n)] = kinds.get(kind(n), 0.0) + ms / steps
     top = sorted(kernels.items(), key=lambda kv: -kv[1][1])[:30]
     host = sorted(p.key_averages(), key=lambda e: -e.self_cpu_time_total)[:30]
-    return extra | {"wall_ms_per_step_profiled": round(wall * 1e3, 1), "kernel_ms_per_step": round(total, 1),
+    return {"wall_ms_per_step_profiled": round(wall * 1e3, 1), "kernel_ms_per_step": round(total, 1),
             "gpu_busy": round(total / (wall * 1e3), 3),
             "kernels_per_step": sum(v[0] for v in kernels.values()) // steps,
             "kinds_ms_per_step": {k: round(v, 1) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},

@@ -28,6 +28,7 @@ outside torch's allocator) are reported apart.
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import importlib.util
 import json
@@ -181,6 +182,33 @@ def write_model_dir(shape: dict, where: Path) -> Path:
     return where
 
 
+def _syncs(run, out: dict) -> None:
+    """`run()` with torch's CUDA sync debug mode warning at every synchronizing op; the Python stacks that warned,
+    by count, into out["host_syncs"]."""
+    import collections
+    import traceback
+    import warnings
+
+    seen: collections.Counter = collections.Counter()
+    show = warnings.showwarning
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        frames = [f"{f.filename.rsplit('/', 2)[-1]}:{f.lineno} {f.name}" for f in traceback.extract_stack()[:-1]
+                  if "/torch/" not in f.filename and "warnings" not in f.filename][-7:]
+        seen[(str(message)[:80], tuple(frames))] += 1
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            run()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+            warnings.showwarning = show
+    out["host_syncs"] = [{"calls": n, "what": m, "stack": list(st)} for (m, st), n in seen.most_common(20)]
+
+
 def _before():
     """stages/expert_lora.py as it was before a change, saved beside this script (`before` variant: an A/B in one
     process; not committed)."""
@@ -191,10 +219,10 @@ def _before():
 
 
 def run_stage(args, shape: dict, work: Path) -> dict:
+    from stages import expert_lora
     from stages.train import batches, kernels
     from stages.train import model as train_model
     from stages.train.hf_trainer import make_trainer
-    from stages import expert_lora
     from stages.train.stage import choose_fit
 
     overrides = dict(o.split("=", 1) for o in args.set)
@@ -207,13 +235,10 @@ def run_stage(args, shape: dict, work: Path) -> dict:
     counter = Counter(model)
     out = {"settings": {k: v for k, v in vars(settings).items()}, "overrides": overrides,
            "weights_gib": round(torch.cuda.memory_allocated() / 2**30, 3) if ON_GPU else None, "runs": {}}
-    out["compiled_experts"] = expert_lora.use_compiled(model, on=False)   # what build_model turned on, on a GPU
     _grouped_lora_forward = expert_lora.grouped_lora_forward
     fit_done = False
     for kind, budget, variant in [(k, b, v) for k in args.data for b in (args.budgets or [None]) for v in args.variants]:
         at = {} if budget is None else {"training.max_tokens_per_batch": budget}
-        # the experts' routed math compiled (the default on a GPU: training.fused_kernels) or eager
-        expert_lora.use_compiled(model, on=variant == "compiled" and out["compiled_experts"] > 0)
         expert_lora.grouped_lora_forward = _before().grouped_lora_forward if variant == "before" else _grouped_lora_forward
         for phase, steps, seed in (("warmup", 1, 100), ("timed", args.steps, 1)):
             cfg = stage_config(model_dir, args, kind, steps, overrides | at)
@@ -230,7 +255,7 @@ def run_stage(args, shape: dict, work: Path) -> dict:
                                    disable_tqdm=True)
             r = measured(trainer, counter, clock, args.samples, steps)
             r["plan"] = plan.describe()
-            name = f"{kind}-{phase}" + (f"@{budget}" if budget else "") + ("" if variant == "compiled" else f"-{variant}")
+            name = f"{kind}-{phase}" + (f"@{budget}" if budget else "") + ("" if variant == "stage" else f"-{variant}")
             out["runs"][name] = r
             print("stage", kind, phase, budget or "", variant, r, flush=True)
             del trainer
@@ -240,7 +265,8 @@ def run_stage(args, shape: dict, work: Path) -> dict:
                                                    rows(kind, args.samples, args.max_length, shape["vocab_size"], 7),
                                                    settings.packing, 1, [args.max_length] * args.samples)[0],
                                    collator, work / "profile", settings=settings, disable_tqdm=True)
-            out["profile"] = {"at": name, **_profile.profiled(trainer.train, stacks=args.stacks)}
+            run = functools.partial(_syncs, trainer.train, out) if args.stacks else trainer.train
+            out["profile"] = {"at": name, **_profile.profiled(run)}
             print("profile", json.dumps(out["profile"])[:3000], flush=True)
             del trainer
     return out
@@ -323,10 +349,12 @@ def main() -> None:
     ap.add_argument("--budgets", type=int, nargs="+", help="stage: train each data set once per packed micro-batch "
                     "budget (training.max_tokens_per_batch), in one process; runs are named <data>-timed@<budget>")
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="stage: a config override")
-    ap.add_argument("--variants", nargs="+", default=["compiled"], choices=["compiled", "eager", "before"],
-                    help="stage: the experts' routed math compiled (the GPU default) and/or eager, each timed; eager runs "
-                    "are named <run>-eager")
-    ap.add_argument("--stacks", action="store_true", help="stage: the profile also says where the host syncs (Python stacks)")
+    ap.add_argument("--variants", nargs="+", default=["stage"], choices=["stage", "before"],
+                    help="stage: the product's grouped expert LoRA and/or `before`, stages/expert_lora.py as it was before "
+                    "a change (saved beside this script as _before_expert_lora.py, not committed), each timed in this "
+                    "process; before runs are named <run>-before")
+    ap.add_argument("--stacks", action="store_true", help="stage: the profiled step also says where the host syncs "
+                    "(torch.cuda.set_sync_debug_mode: the Python stacks of every synchronizing op, by count)")
     ap.add_argument("--profile", type=int, nargs="*", help="stage: after the timed runs at these budgets, one more step "
                     "of the first variant under torch.profiler (kernels by kind, GPU busy share)")
     args = ap.parse_args()

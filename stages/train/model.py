@@ -56,8 +56,6 @@ def build_model(cfg: RunConfig, longest: int | None = None, settings: kernels.Se
         model = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", **lora))
     if targets.stacks and expert_lora.use_grouped_lora(model):
         print("train: LoRA on the routed experts computed on the tokens routed to each expert (grouped matmuls)")
-    if s.fused_kernels and device().type == "cuda" and expert_lora.use_compiled(model):
-        print("train: the experts' routed math compiled (torch.compile), one graph for every layer")
     check_only_lora_trains(model)
     check_adapted(model, targets, cfg.lora.r)
     keep_adapter_inputs_16bit(model)
