@@ -183,12 +183,10 @@ def grouped_lora_forward(experts: nn.Module, hidden_states: torch.Tensor, top_k_
     by parameter name added on the routed tokens only. `experts` is the unwrapped module."""
     groups, order, inverse, offs, _, h = _routed(experts, hidden_states, top_k_index, factors)
     y = _project(experts, "down_proj", h, offs, groups, factors)
-    return _weighted(_Combine.apply(y, order, inverse, top_k_index.shape[-1]), top_k_weights, hidden_states.dtype)
-
-
-def _weighted(y: torch.Tensor, top_k_weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    top_k = top_k_index.shape[-1]
+    y = _Combine.apply(y, order, inverse, top_k)
     # each token's top-k outputs weighted and summed in one batched matmul: [T, 1, k] @ [T, k, out]
-    return torch.bmm(top_k_weights.reshape(-1, 1, y.shape[1]).to(y.dtype), y).squeeze(1).to(dtype)
+    return torch.bmm(top_k_weights.reshape(-1, 1, top_k).to(y.dtype), y).squeeze(1).to(hidden_states.dtype)
 
 
 def grouped_forward(experts: nn.Module, hidden_states, top_k_index, top_k_weights):

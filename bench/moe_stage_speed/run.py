@@ -235,11 +235,12 @@ def run_stage(args, shape: dict, work: Path) -> dict:
     counter = Counter(model)
     out = {"settings": {k: v for k, v in vars(settings).items()}, "overrides": overrides,
            "weights_gib": round(torch.cuda.memory_allocated() / 2**30, 3) if ON_GPU else None, "runs": {}}
-    _grouped_lora_forward = expert_lora.grouped_lora_forward
+    forwards = {"stage": expert_lora.grouped_lora_forward} | (
+        {"before": _before().grouped_lora_forward} if "before" in args.variants else {})
     fit_done = False
     for kind, budget, variant in [(k, b, v) for k in args.data for b in (args.budgets or [None]) for v in args.variants]:
         at = {} if budget is None else {"training.max_tokens_per_batch": budget}
-        expert_lora.grouped_lora_forward = _before().grouped_lora_forward if variant == "before" else _grouped_lora_forward
+        expert_lora.grouped_lora_forward = forwards[variant]
         for phase, steps, seed in (("warmup", 1, 100), ("timed", args.steps, 1)):
             cfg = stage_config(model_dir, args, kind, steps, overrides | at)
             data = rows(kind, steps * args.samples, args.max_length, shape["vocab_size"], seed)
@@ -260,11 +261,10 @@ def run_stage(args, shape: dict, work: Path) -> dict:
             print("stage", kind, phase, budget or "", variant, r, flush=True)
             del trainer
         if phase == "timed" and ON_GPU and budget in (args.profile or []) and variant == args.variants[0]:
-            trainer = make_trainer(stage_config(model_dir, args, kind, 1, overrides | at), model,
-                                   batches.dataset(stage_config(model_dir, args, kind, 1, overrides | at),
-                                                   rows(kind, args.samples, args.max_length, shape["vocab_size"], 7),
-                                                   settings.packing, 1, [args.max_length] * args.samples)[0],
-                                   collator, work / "profile", settings=settings, disable_tqdm=True)
+            cfg = stage_config(model_dir, args, kind, 1, overrides | at)
+            data = rows(kind, args.samples, args.max_length, shape["vocab_size"], 7)
+            dataset = batches.dataset(cfg, data, settings.packing, 1, [len(r["input_ids"]) for r in data])[0]
+            trainer = make_trainer(cfg, model, dataset, collator, work / "profile", settings=settings, disable_tqdm=True)
             run = functools.partial(_syncs, trainer.train, out) if args.stacks else trainer.train
             out["profile"] = {"at": name, **_profile.profiled(run)}
             print("profile", json.dumps(out["profile"])[:3000], flush=True)
