@@ -85,7 +85,12 @@ def profiled(run, steps: int = 1) -> dict:
     with prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
         run()
         torch.cuda.synchronize()
-    wall = (time.perf_counter() - t0) / steps
+    return summary(p, time.perf_counter() - t0, steps)
+
+
+def summary(p, wall_s: float, steps: int) -> dict:
+    """A finished torch.profiler run of `steps` steps over `wall_s` seconds, per step."""
+    wall = wall_s / steps
     kernels: dict[str, list] = {}
     for e in p.events():
         if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time > 0:

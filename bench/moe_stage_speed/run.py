@@ -28,7 +28,6 @@ outside torch's allocator) are reported apart.
 from __future__ import annotations
 
 import argparse
-import functools
 import gc
 import importlib.util
 import json
@@ -97,12 +96,20 @@ def timer():
     from transformers import TrainerCallback
 
     class Timer(TrainerCallback):
+        """The run's wall time, and each optimizer step's end: the steps after the first are the steady state (the
+        first also creates the optimizer's states, which a long run pays once)."""
+
         def __init__(self) -> None:
             self.begin = self.end = 0.0
+            self.step_ends: list[float] = []
 
         def on_train_begin(self, args, state, control, **kwargs):
             torch.cuda.synchronize() if ON_GPU else None
             self.begin = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            torch.cuda.synchronize() if ON_GPU else None
+            self.step_ends.append(time.perf_counter())
 
         def on_train_end(self, args, state, control, **kwargs):
             torch.cuda.synchronize() if ON_GPU else None
@@ -112,7 +119,8 @@ def timer():
 
 
 def measured(trainer, counter: Counter, clock, samples: int, steps: int) -> dict:
-    """trainer.train() from a fresh peak: samples/s, tokens/s, peak memory, paged optimizer states."""
+    """trainer.train() from a fresh peak: samples/s (the whole run, and `steady_` the steps after the first),
+    tokens/s, peak memory, paged optimizer states."""
     gc.collect()
     if ON_GPU:
         torch.cuda.empty_cache()
@@ -123,6 +131,9 @@ def measured(trainer, counter: Counter, clock, samples: int, steps: int) -> dict
     row = {"steps": out.global_step, "samples": samples * steps, "s": round(dt, 3),
            "samples_per_s": round(samples * steps / dt, 3), "tokens": counter.tokens - before,
            "tokens_per_s": round((counter.tokens - before) / dt, 1), "final_loss": round(out.training_loss, 4)}
+    if len(clock.step_ends) >= 2:
+        row["steady_samples_per_s"] = round(samples * (len(clock.step_ends) - 1) / (clock.step_ends[-1] - clock.step_ends[0]), 3)
+        row["first_step_s"] = round(clock.step_ends[0] - clock.begin, 3)
     if ON_GPU:
         row |= {"peak_reserved_gib": round(torch.cuda.max_memory_reserved() / 2**30, 3),
                 "peak_allocated_gib": round(torch.cuda.max_memory_allocated() / 2**30, 3)}
@@ -182,31 +193,67 @@ def write_model_dir(shape: dict, where: Path) -> Path:
     return where
 
 
-def _syncs(run, out: dict) -> None:
-    """`run()` with torch's CUDA sync debug mode warning at every synchronizing op; the Python stacks that warned,
-    by count, into out["host_syncs"]."""
-    import collections
-    import traceback
-    import warnings
+class SyncStacks:
+    """torch's CUDA sync debug mode warning at every synchronizing op between start() and stop(); the Python
+    stacks that warned, by count (`found()`)."""
 
-    seen: collections.Counter = collections.Counter()
-    show = warnings.showwarning
+    def __init__(self) -> None:
+        import collections
+        import warnings
 
-    def record(message, category, filename, lineno, file=None, line=None):
+        self.seen: collections.Counter = collections.Counter()
+        self._catch = warnings.catch_warnings()
+
+    def _record(self, message, category, filename, lineno, file=None, line=None):
+        import traceback
+
         frames = [f"{f.filename.rsplit('/', 2)[-1]}:{f.lineno} {f.name}" for f in traceback.extract_stack()[:-1]
                   if "/torch/" not in f.filename and "warnings" not in f.filename][-7:]
-        seen[(str(message)[:80], tuple(frames))] += 1
+        self.seen[(str(message)[:80], tuple(frames))] += 1
 
-    with warnings.catch_warnings():
+    def start(self) -> None:
+        import warnings
+
+        self._catch.__enter__()
         warnings.simplefilter("always")
-        warnings.showwarning = record
+        warnings.showwarning = self._record
         torch.cuda.set_sync_debug_mode("warn")
-        try:
-            run()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-            warnings.showwarning = show
-    out["host_syncs"] = [{"calls": n, "what": m, "stack": list(st)} for (m, st), n in seen.most_common(20)]
+
+    def stop(self) -> None:
+        torch.cuda.set_sync_debug_mode("default")
+        self._catch.__exit__(None, None, None)
+
+    def found(self) -> list[dict]:
+        return [{"calls": n, "what": m, "stack": list(st)} for (m, st), n in self.seen.most_common(20)]
+
+
+def profiled_after_first(trainer, stacks: bool) -> dict:
+    """trainer.train() of 2 optimizer steps, the second one under torch.profiler (and with `stacks` torch's sync
+    debug mode): a steady step, not the first, which also creates the optimizer's states."""
+    from torch.profiler import ProfilerActivity, profile
+    from transformers import TrainerCallback
+
+    p = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+    syncs = SyncStacks() if stacks else None
+    window = {}
+
+    class Window(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 1:
+                torch.cuda.synchronize()
+                window["t0"] = time.perf_counter()
+                p.start()
+                syncs.start() if syncs else None
+
+        def on_train_end(self, args, state, control, **kwargs):
+            syncs.stop() if syncs else None
+            torch.cuda.synchronize()
+            window["wall"] = time.perf_counter() - window["t0"]
+            p.stop()
+
+    trainer.add_callback(Window())
+    trainer.train()
+    return _profile.summary(p, window["wall"], 1) | ({"host_syncs": syncs.found()} if syncs else {})
 
 
 def _before():
@@ -220,7 +267,7 @@ def _before():
 
 def run_stage(args, shape: dict, work: Path) -> dict:
     from stages import expert_lora
-    from stages.train import batches, kernels
+    from stages.train import batches, hf_trainer, kernels
     from stages.train import model as train_model
     from stages.train.hf_trainer import make_trainer
     from stages.train.stage import choose_fit
@@ -235,12 +282,15 @@ def run_stage(args, shape: dict, work: Path) -> dict:
     counter = Counter(model)
     out = {"settings": {k: v for k, v in vars(settings).items()}, "overrides": overrides,
            "weights_gib": round(torch.cuda.memory_allocated() / 2**30, 3) if ON_GPU else None, "runs": {}}
-    forwards = {"stage": expert_lora.grouped_lora_forward} | (
+    forwards = {"stage": expert_lora.grouped_lora_forward, "bnb-syncs": expert_lora.grouped_lora_forward} | (
         {"before": _before().grouped_lora_forward} if "before" in args.variants else {})
+    one_sync = hf_trainer.one_sync_per_step
     fit_done = False
     for kind, budget, variant in [(k, b, v) for k in args.data for b in (args.budgets or [None]) for v in args.variants]:
         at = {} if budget is None else {"training.max_tokens_per_batch": budget}
         expert_lora.grouped_lora_forward = forwards[variant]
+        # bnb-syncs: bitsandbytes' own optimizer step, a wait after every parameter (stages/train/optimizer.py)
+        hf_trainer.one_sync_per_step = (lambda optimizer: False) if variant == "bnb-syncs" else one_sync
         for phase, steps, seed in (("warmup", 1, 100), ("timed", args.steps, 1)):
             cfg = stage_config(model_dir, args, kind, steps, overrides | at)
             data = rows(kind, steps * args.samples, args.max_length, shape["vocab_size"], seed)
@@ -261,12 +311,11 @@ def run_stage(args, shape: dict, work: Path) -> dict:
             print("stage", kind, phase, budget or "", variant, r, flush=True)
             del trainer
         if phase == "timed" and ON_GPU and budget in (args.profile or []) and variant == args.variants[0]:
-            cfg = stage_config(model_dir, args, kind, 1, overrides | at)
-            data = rows(kind, args.samples, args.max_length, shape["vocab_size"], 7)
+            cfg = stage_config(model_dir, args, kind, 2, overrides | at)
+            data = rows(kind, 2 * args.samples, args.max_length, shape["vocab_size"], 7)
             dataset = batches.dataset(cfg, data, settings.packing, 1, [len(r["input_ids"]) for r in data])[0]
             trainer = make_trainer(cfg, model, dataset, collator, work / "profile", settings=settings, disable_tqdm=True)
-            run = functools.partial(_syncs, trainer.train, out) if args.stacks else trainer.train
-            out["profile"] = {"at": name, **_profile.profiled(run)}
+            out["profile"] = {"at": name, "step": 2, **profiled_after_first(trainer, args.stacks)}
             print("profile", json.dumps(out["profile"])[:3000], flush=True)
             del trainer
     return out
@@ -349,14 +398,15 @@ def main() -> None:
     ap.add_argument("--budgets", type=int, nargs="+", help="stage: train each data set once per packed micro-batch "
                     "budget (training.max_tokens_per_batch), in one process; runs are named <data>-timed@<budget>")
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="stage: a config override")
-    ap.add_argument("--variants", nargs="+", default=["stage"], choices=["stage", "before"],
-                    help="stage: the product's grouped expert LoRA and/or `before`, stages/expert_lora.py as it was before "
-                    "a change (saved beside this script as _before_expert_lora.py, not committed), each timed in this "
-                    "process; before runs are named <run>-before")
+    ap.add_argument("--variants", nargs="+", default=["stage"], choices=["stage", "before", "bnb-syncs"],
+                    help="stage: the product as it is and/or `before`, stages/expert_lora.py as it was before a change "
+                    "(saved beside this script as _before_expert_lora.py, not committed), and/or `bnb-syncs`, bitsandbytes' "
+                    "own 8-bit optimizer step (a wait per parameter), each timed in this process; runs are named "
+                    "<run>-<variant>")
     ap.add_argument("--stacks", action="store_true", help="stage: the profiled step also says where the host syncs "
                     "(torch.cuda.set_sync_debug_mode: the Python stacks of every synchronizing op, by count)")
-    ap.add_argument("--profile", type=int, nargs="*", help="stage: after the timed runs at these budgets, one more step "
-                    "of the first variant under torch.profiler (kernels by kind, GPU busy share)")
+    ap.add_argument("--profile", type=int, nargs="*", help="stage: after the timed runs at these budgets, two more steps "
+                    "of the first variant, the second under torch.profiler (kernels by kind, GPU busy share)")
     args = ap.parse_args()
     import peft
     import transformers
