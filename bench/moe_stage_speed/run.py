@@ -267,7 +267,7 @@ def _before():
 
 def run_stage(args, shape: dict, work: Path) -> dict:
     from stages import expert_lora
-    from stages.train import batches, hf_trainer, kernels
+    from stages.train import batches, kernels
     from stages.train import model as train_model
     from stages.train.hf_trainer import make_trainer
     from stages.train.stage import choose_fit
@@ -282,15 +282,12 @@ def run_stage(args, shape: dict, work: Path) -> dict:
     counter = Counter(model)
     out = {"settings": {k: v for k, v in vars(settings).items()}, "overrides": overrides,
            "weights_gib": round(torch.cuda.memory_allocated() / 2**30, 3) if ON_GPU else None, "runs": {}}
-    forwards = {"stage": expert_lora.grouped_lora_forward, "bnb-syncs": expert_lora.grouped_lora_forward} | (
+    forwards = {"stage": expert_lora.grouped_lora_forward} | (
         {"before": _before().grouped_lora_forward} if "before" in args.variants else {})
-    one_sync = hf_trainer.one_sync_per_step
     fit_done = False
     for kind, budget, variant in [(k, b, v) for k in args.data for b in (args.budgets or [None]) for v in args.variants]:
         at = {} if budget is None else {"training.max_tokens_per_batch": budget}
         expert_lora.grouped_lora_forward = forwards[variant]
-        # bnb-syncs: bitsandbytes' own optimizer step, a wait after every parameter (stages/train/optimizer.py)
-        hf_trainer.one_sync_per_step = (lambda optimizer: False) if variant == "bnb-syncs" else one_sync
         for phase, steps, seed in (("warmup", 1, 100), ("timed", args.steps, 1)):
             cfg = stage_config(model_dir, args, kind, steps, overrides | at)
             data = rows(kind, steps * args.samples, args.max_length, shape["vocab_size"], seed)
@@ -373,6 +370,8 @@ def merge(dest: str, files: list[str]) -> None:
                 continue
             out["vs_peft"].setdefault(name, {})[key] = {
                 "speed": round(r["samples_per_s"] / p["samples_per_s"], 3),
+                **({"steady_speed": round(r["steady_samples_per_s"] / p["steady_samples_per_s"], 3)}
+                   if "steady_samples_per_s" in r and "steady_samples_per_s" in p else {}),
                 **({"peak_reserved": round(r["peak_reserved_gib"] / p["peak_reserved_gib"], 3)} if "peak_reserved_gib" in r else {}),
                 **({"peak_reserved_with_paged_states": round((r["peak_reserved_gib"] + r.get("paged_states_gib", 0))
                                                              / p["peak_reserved_gib"], 3)} if "peak_reserved_gib" in r else {})}
@@ -398,11 +397,10 @@ def main() -> None:
     ap.add_argument("--budgets", type=int, nargs="+", help="stage: train each data set once per packed micro-batch "
                     "budget (training.max_tokens_per_batch), in one process; runs are named <data>-timed@<budget>")
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="stage: a config override")
-    ap.add_argument("--variants", nargs="+", default=["stage"], choices=["stage", "before", "bnb-syncs"],
-                    help="stage: the product as it is and/or `before`, stages/expert_lora.py as it was before a change "
-                    "(saved beside this script as _before_expert_lora.py, not committed), and/or `bnb-syncs`, bitsandbytes' "
-                    "own 8-bit optimizer step (a wait per parameter), each timed in this process; runs are named "
-                    "<run>-<variant>")
+    ap.add_argument("--variants", nargs="+", default=["stage"], choices=["stage", "before"],
+                    help="stage: the product's grouped expert LoRA and/or `before`, stages/expert_lora.py as it was before "
+                    "a change (saved beside this script as _before_expert_lora.py, not committed), each timed in this "
+                    "process; before runs are named <run>-before")
     ap.add_argument("--stacks", action="store_true", help="stage: the profiled step also says where the host syncs "
                     "(torch.cuda.set_sync_debug_mode: the Python stacks of every synchronizing op, by count)")
     ap.add_argument("--profile", type=int, nargs="*", help="stage: after the timed runs at these budgets, two more steps "

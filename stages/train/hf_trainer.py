@@ -25,7 +25,6 @@ from stages.config import RunConfig
 from stages.modelio import compute_dtype, device
 from stages.train import eval_loss, kernels, sharding
 from stages.train.offload import OffloadActivations
-from stages.train.optimizer import one_sync_per_step
 from stages.train.packing import PackedRows, PackedSteps
 
 
@@ -155,12 +154,6 @@ class StageTrainer(Trainer):
         # on CPU must be switched on here, not after the Trainer is built.
         super().create_accelerator_and_postprocess()
         sharding.enable_on_cpu(self)  # FSDP on gloo as on GPUs (accelerate would run DDP there)
-
-    def create_optimizer(self, model=None):
-        # before create_scheduler, which wraps optimizer.step: a bitsandbytes 8-bit optimizer waits once a step
-        optimizer = super().create_optimizer(model)
-        one_sync_per_step(optimizer)
-        return optimizer
 
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix="eval"):
         """Eval loss on this process's share of the eval micro-batches, summed over processes, then
