@@ -1,3 +1,4 @@
+# Ran at commit 36631b6, where the `bnb-syncs` variant (and stages/train/optimizer.py) existed; removed after it.
 # One device call: where the steady step's host syncs come from (4 layers, under torch's sync debug mode), then the
 # whole 30B at two packed budgets, bitsandbytes' own 8-bit optimizer step (a wait per parameter) against the
 # product's (one wait per step) in one process, the 16,384-token step profiled after a first step.
