@@ -311,7 +311,10 @@ def run_stage(args, shape: dict, work: Path) -> dict:
             cfg = stage_config(model_dir, args, kind, 2, overrides | at)
             data = rows(kind, 2 * args.samples, args.max_length, shape["vocab_size"], 7)
             dataset = batches.dataset(cfg, data, settings.packing, 1, [len(r["input_ids"]) for r in data])[0]
-            trainer = make_trainer(cfg, model, dataset, collator, work / "profile", settings=settings, disable_tqdm=True)
+            # no checkpoint save at the end: the window is the second step alone (a save inside it once passed
+            # for the step's own host copies, README "Steady steps")
+            trainer = make_trainer(cfg, model, dataset, collator, work / "profile", settings=settings, disable_tqdm=True,
+                                   save_strategy="no")
             out["profile"] = {"at": name, "step": 2, **profiled_after_first(trainer, args.stacks)}
             print("profile", json.dumps(out["profile"])[:3000], flush=True)
             del trainer

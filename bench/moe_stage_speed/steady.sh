@@ -2,11 +2,7 @@
 # One device call: where the steady step's host syncs come from (4 layers, under torch's sync debug mode), then the
 # whole 30B at two packed budgets, bitsandbytes' own 8-bit optimizer step (a wait per parameter) against the
 # product's (one wait per step) in one process, the 16,384-token step profiled after a first step.
-set -u
-start=$SECONDS
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+source bench/moe_stage_speed/_device.sh
 timeout 150 python3 bench/moe_stage_speed/run.py stage --shape qwen3-30b-a3b-4-layers --data full --budgets 16384 --steps 2 \
   --profile 16384 --stacks --name syncs-16384 --out "$OUT/syncs-16384.json" > "$OUT/syncs-16384.log" 2>&1
 echo "syncs rc=$? at $((SECONDS - start)) s"
