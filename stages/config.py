@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 # ConfigError lives in stages.errors, so that modelio raises it without importing the config; it is still stages.config.ConfigError.
 from stages.errors import ConfigError
@@ -202,9 +202,10 @@ class TrainingSection(Section):
     )
     max_tokens_per_batch: int | None = Field(
         None, gt=0, description="Packing: the most tokens in one micro-batch (at least the longest sample). null: "
-        "per_device_train_batch_size x data.max_length (the padded run's worst micro-batch, which the preflight fits), "
-        "at most the widest multiple of data.max_length up to 16384 tokens, under the width that switches the tiled MLP on "
-        "(docs/training.md)."
+        "per_device_train_batch_size x data.max_length (the padded run's worst micro-batch), at most the widest multiple of "
+        "data.max_length up to 16384 tokens, under the width that switches the tiled MLP on; on a GPU with packed_step: "
+        "samples, widened as far as a step's samples fill, up to 16384, where the estimate at that width fits the card "
+        "(fewer kernel launches per token; the preflight's figure is measured at it; docs/training.md)."
     )
     packed_step: Literal["samples", "tokens"] = Field(
         "samples", description="Packed, what one optimizer step trains. samples: what a padded run's step trains, "
@@ -269,6 +270,11 @@ class TrainingSection(Section):
         if self.distributed == "fsdp" and self.fit == "speed":
             raise ValueError("fit: speed measures on the unsharded model in one process; with distributed: fsdp use fit: memory")
         return self
+
+    # The packed budget this card widened a null max_tokens_per_batch to, and why (stages/train/widen.py): set by the
+    # preflight and the train stage on their own copies, never read from YAML.
+    _card_budget: int | None = PrivateAttr(None)
+    _card_reason: str = PrivateAttr("")
 
     @property
     def world_size(self) -> int:

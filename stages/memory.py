@@ -114,6 +114,24 @@ def free_gpu() -> None:
             break
 
 
+def card(requested_gib: float | None, index: int = 0) -> tuple[str, float]:
+    """The training card's name and memory budget in GiB: `requested_gib` (preflight.gpu_memory_gib), at most the
+    GPU's total, else the total; without CUDA, "cpu" and the available RAM (or `requested_gib`)."""
+    torch = _cuda()
+    if torch is not None:
+        total = torch.cuda.get_device_properties(index).total_memory / GIB
+        return torch.cuda.get_device_name(index), min(requested_gib or total, total)
+    import psutil
+
+    return "cpu", requested_gib or psutil.virtual_memory().available / GIB
+
+
+def usable_gib(budget_gib: float, margin: float, on_gpu: bool) -> float:
+    """What a run may use of a budget: the CUDA context (driver, kernels) comes off first, because it lives outside
+    torch's allocator, which the estimate and the probe measure; then preflight.margin."""
+    return (budget_gib - (CUDA_CONTEXT_GIB if on_gpu else 0.0)) * (1 - margin)
+
+
 def nvml_used_gib(index: int = 0) -> tuple[float, float] | None:
     """(used, total) GiB of the whole device from NVML, or None without a GPU/driver."""
     try:

@@ -36,7 +36,7 @@ from stages.memory import CUDA_CONTEXT_GIB, GIB, MemoryReport
 from stages.memory_model import Estimate, Shapes, estimate, loss_mode
 from stages.modeldir import resolve_model_dir
 from stages.modelio import load_tokenizer
-from stages.train import batches, eval_loss, packing
+from stages.train import batches, eval_loss, packing, widen
 from stages.train.kernels import resolve_auto
 
 # Probe when the estimate is below this multiple of the budget: a run capped at the estimate
@@ -138,15 +138,14 @@ def run(cfg: RunConfig, out_dir: Path, gpu_memory_gib: float | None = None, *, t
         checks.before_training(cfg, out_dir, tokenizer, export=not train_only)
         lengths = scan_lengths(cfg, tokenizer)
         held_notes = check_held_out(cfg, tokenizer)  # what merge, export and smoke will read: stopped now, not after training
-        device, budget = _budget(gpu_memory_gib or cfg.preflight.gpu_memory_gib)
+        device, budget = memory.card(gpu_memory_gib or cfg.preflight.gpu_memory_gib)
         on_gpu = device != "cpu"
         architecture.attention_implementation(cfg.model.attn_implementation, shapes.arch, on_gpu)  # one the model cannot use stops here
         if skipped := architecture.sdpa_skips(cfg.model.attn_implementation, shapes.arch):
             print(f"preflight: model.attn_implementation: sdpa trains {shapes.arch.model_class} without its {', '.join(skipped)}, "
                   "which llama.cpp applies when it serves the model; auto computes it (flex_attention on a GPU)")
-        # The CUDA context (driver, kernels) lives outside torch's allocator, which is what
-        # the estimate and the probe measure; on a GPU it comes off the budget first.
-        usable = (budget - (CUDA_CONTEXT_GIB if on_gpu else 0.0)) * (1 - cfg.preflight.margin)
+        usable = memory.usable_gib(budget, cfg.preflight.margin, on_gpu)
+        cfg = widen.on_card(cfg, shapes, lengths.max, usable, on_gpu)  # the packed micro-batch's width, as training picks it
         eval_rows = eval_loss.rows(cfg, tokenizer) if eval_loss.eval_steps(cfg, True) else []
         settings = resolve_auto(cfg, on_gpu=on_gpu, longest=lengths.max)
         lengths.worst_batch_tokens, lengths.packed = settings["widest_micro_batch"], settings["packing"]
@@ -561,17 +560,6 @@ def smallest_fix(suggestions: list[dict]) -> dict | None:
     """The least invasive change that fits (see `suggest`), or None."""
     fitting = [x for x in suggestions if x["fits"]]
     return min(fitting, key=lambda x: (x["rank"], -x["estimate_gib"])) if fitting else None
-
-
-def _budget(requested: float | None) -> tuple[str, float]:
-    import torch
-
-    if torch.cuda.is_available():
-        total = torch.cuda.get_device_properties(0).total_memory / GIB
-        return torch.cuda.get_device_name(0), min(requested or total, total)
-    import psutil
-
-    return "cpu", requested or psutil.virtual_memory().available / GIB
 
 
 def headline(r: PreflightResult, cfg: RunConfig) -> str:

@@ -267,7 +267,7 @@ def _before():
 
 def run_stage(args, shape: dict, work: Path) -> dict:
     from stages import expert_lora
-    from stages.train import batches, kernels
+    from stages.train import batches, kernels, widen
     from stages.train import model as train_model
     from stages.train.hf_trainer import make_trainer
     from stages.train.stage import choose_fit
@@ -292,6 +292,8 @@ def run_stage(args, shape: dict, work: Path) -> dict:
             cfg = stage_config(model_dir, args, kind, steps, overrides | at)
             data = rows(kind, steps * args.samples, args.max_length, shape["vocab_size"], seed)
             lens = [len(r["input_ids"]) for r in data]
+            if budget is None:   # the default: the budget this card widens it to, as the stage's run() does
+                cfg = widen.in_training(cfg, max(lens))
             dataset, plan = batches.dataset(cfg, data, settings.packing, 1, lens)
             collator = (batches.PackedCollator(varlen=settings.packed_attention == "varlen") if settings.packing
                         else batches.Collator(0))
@@ -310,6 +312,8 @@ def run_stage(args, shape: dict, work: Path) -> dict:
         if phase == "timed" and ON_GPU and budget in (args.profile or []) and variant == args.variants[0]:
             cfg = stage_config(model_dir, args, kind, 2, overrides | at)
             data = rows(kind, 2 * args.samples, args.max_length, shape["vocab_size"], 7)
+            if budget is None:
+                cfg = widen.in_training(cfg, max(len(r["input_ids"]) for r in data))
             dataset = batches.dataset(cfg, data, settings.packing, 1, [len(r["input_ids"]) for r in data])[0]
             # no checkpoint save at the end: the window is the second step alone (a save inside it once passed
             # for the step's own host copies, README "Steady steps")

@@ -64,12 +64,12 @@ def choose(cfg: RunConfig, model, worst_batch: dict, trainable_params: int, opti
 
 
 def _choose_speed(cfg: RunConfig, model, worst_batch: dict, trainable_params: int, optim: str, choice: FitChoice, total: int) -> FitChoice:
-    from stages.memory import CUDA_CONTEXT_GIB
+    from stages import memory
     from stages.train.kernels import OPTIM_BYTES
     from stages.train.model import checkpoint_only
 
-    budget = cfg.preflight.gpu_memory_gib or torch.cuda.get_device_properties(device()).total_memory / GIB
-    usable = (budget - CUDA_CONTEXT_GIB) * (1 - cfg.preflight.margin)
+    _, budget = memory.card(cfg.preflight.gpu_memory_gib, device().index or 0)
+    usable = memory.usable_gib(budget, cfg.preflight.margin, on_gpu=True)
     states = trainable_params * OPTIM_BYTES.get(optim, 8) / GIB
     choice.budget_gib, choice.usable_gib = round(budget, 3), round(usable, 3)
 

@@ -34,6 +34,8 @@ def token_budget(cfg: RunConfig) -> int:
     t = cfg.training
     if t.max_tokens_per_batch:
         return t.max_tokens_per_batch
+    if t._card_budget:  # widened (or kept) for this card: stages/train/widen.py
+        return t._card_budget
     padded = t.per_device_train_batch_size * cfg.data.max_length
     if padded <= PACKED_BUDGET_DEFAULT_MAX or t.tiled_mlp == "on":
         return padded
@@ -45,12 +47,22 @@ def token_budget_reason(cfg: RunConfig) -> str:
     t, budget = cfg.training, token_budget(cfg)
     if t.max_tokens_per_batch:
         return "training.max_tokens_per_batch"
+    if t._card_reason:
+        return t._card_reason
     padded = t.per_device_train_batch_size * cfg.data.max_length
     if budget == padded:
         return f"per_device_train_batch_size x data.max_length ({t.per_device_train_batch_size} x {cfg.data.max_length})"
     return (f"the widest multiple of data.max_length up to {PACKED_BUDGET_DEFAULT_MAX} tokens, among the fastest measured: the padded "
             f"worst case, {padded}, packs fewer, longer micro-batches" + (", and switches the tiled MLP on"
                                                                          if padded >= TILE_FROM_TOKENS else ""))
+
+
+def with_card_budget(cfg: RunConfig, tokens: int, why: str) -> RunConfig:
+    """`cfg` whose default packed budget is `tokens` on this card, for the reason `why` (stages/train/widen.py); the
+    YAML's own fields, and so the config's fingerprint, unchanged."""
+    t = cfg.training.model_copy()
+    t._card_budget, t._card_reason = tokens, why
+    return cfg.model_copy(update={"training": t})
 
 
 def samples_per_step(cfg: RunConfig) -> int:

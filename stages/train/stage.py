@@ -47,7 +47,7 @@ from stages.artifact import Artifact
 from stages.config import RunConfig
 from stages.memory import MemoryReport
 from stages.modelio import device, load_tokenizer
-from stages.train import autofit, batches, eval_loss, kernels, launch, sharding
+from stages.train import autofit, batches, eval_loss, kernels, launch, sharding, widen
 from stages.train.attention import attention_kernel
 from stages.train.hf_trainer import InjectOOM, MemorySnapshot, StageTrainer, last_checkpoint, make_trainer, release, step_of
 from stages.train.model import build_model
@@ -134,6 +134,7 @@ def run(cfg: RunConfig, out_dir: Path, *, inject_oom_at: int | None = None) -> T
     if cfg.training.launcher == "accelerate" and not os.environ.get(launch.LAUNCHED):
         return _launched(cfg, out_dir)
     inputs = _read_inputs(cfg)
+    cfg = widen.in_training(cfg, inputs.longest)  # the packed budget the preflight sized on this card
     with Tracker(cfg, out_dir) as tracker:
         with memory.track("train", out_dir) as meter:
             final, recoveries = _train_until_it_fits(cfg, inputs, out_dir, tracker, inject_oom_at)

@@ -1,0 +1,77 @@
+"""The packed micro-batch's default width on this card: as wide as a step's samples fill, where the memory allows.
+
+A packed step (packed_step: samples) trains the same samples however they are cut into micro-batches, so its width is
+a matter of speed and memory only. On a GPU a micro-batch of a few thousand tokens is bound by the host launching its
+kernels (about 22,000 per micro-batch at 48 MoE layers; bench/moe_profile), not by the GPU: a step of 16 x 2048 tokens
+trained 2.1x faster in two 16,384-token micro-batches than in eight of 4,096 (bench/moe_stage_speed, "Steady steps").
+So where training.max_tokens_per_batch is left null, the preflight and the train stage both widen the default budget
+(batches.token_budget) to the widest of: a step's samples laid end to end, the cap the dense 7B measured fastest
+(batches.PACKED_BUDGET_DEFAULT_MAX), halvings of it; the first whose analytic estimate (stages/memory_model.py, never
+under what a run needs on the capped grids) fits the usable memory. Both compute it from the same config, data and card,
+so the probe measures the very micro-batches training runs: the GPU figure is the figure of the chosen width.
+"""
+
+from __future__ import annotations
+
+from stages.config import RunConfig
+from stages.memory_model import Shapes, estimate
+from stages.train import batches
+from stages.train.kernels import resolve_auto
+
+
+def on_card(cfg: RunConfig, shapes: Shapes, longest: int, usable_gib: float, on_gpu: bool) -> RunConfig:
+    """`cfg` with its packed budget widened for this card (the reason in batches.token_budget_reason), or `cfg` itself
+    where there is nothing to widen: an explicit training.max_tokens_per_batch, padded batches, packed_step: tokens
+    (the budget is then what a step trains), the tiled MLP forced on, no CUDA (no launch overhead to save), or a step
+    whose samples already fill one micro-batch.
+
+    Args:
+        longest: the data's longest sample after data.long_sample_policy (the preflight's scan, the training set's).
+        usable_gib: the card's budget less the CUDA context and preflight.margin (memory.usable_gib).
+    """
+    t = cfg.training
+    if (t.max_tokens_per_batch or t.packed_step != "samples" or t.tiled_mlp == "on" or not on_gpu
+            or not resolve_auto(cfg, on_gpu=on_gpu, longest=longest)["packing"]):
+        return cfg
+    base = batches.token_budget(cfg)
+    widest = min(batches.samples_per_step(cfg) * longest, max(base, batches.PACKED_BUDGET_DEFAULT_MAX))
+    tried = []
+    for width in _widths(base, widest):
+        wide = batches.with_card_budget(cfg, width, "")
+        need = estimate(wide, shapes, longest, on_gpu=on_gpu).total_gib
+        if need <= usable_gib:
+            why = (f"widened on this card from {base} ({batches.token_budget_reason(cfg)}): a step's samples in fewer "
+                   f"micro-batches, fewer kernel launches per token; estimate {need:.2f} GiB of {usable_gib:.2f} usable"
+                   + (f", {tried[-1][0]} tokens would need {tried[-1][1]:.2f}" if tried else ""))
+            return batches.with_card_budget(cfg, width, why)
+        tried.append((width, need))
+    if not tried:
+        return cfg
+    return batches.with_card_budget(cfg, base, f"{batches.token_budget_reason(cfg)}; not widened on this card: {tried[-1][0]} "
+                                               f"tokens would need {tried[-1][1]:.2f} GiB (estimate), over the {usable_gib:.2f} usable")
+
+
+def _widths(base: int, widest: int) -> list[int]:
+    """The candidate budgets, widest first: `widest`, then halvings of it, each wider than `base`."""
+    out, width = [], widest
+    while width > base:
+        out.append(width)
+        width //= 2
+    return out
+
+
+def in_training(cfg: RunConfig, longest: int) -> RunConfig:
+    """on_card as the train stage calls it: the model's config.json, this process's card and preflight.gpu_memory_gib."""
+    import json
+
+    from stages import memory
+    from stages.modeldir import resolve_model_dir
+    from stages.modelio import device
+
+    here = device()
+    if here.type != "cuda":  # nothing to widen: spare the meta build
+        return cfg
+    model_dir = resolve_model_dir(cfg.model.name_or_path)
+    shapes = Shapes.from_config(json.loads((model_dir / "config.json").read_text()), cfg.model.trust_remote_code, str(model_dir))
+    _, budget = memory.card(cfg.preflight.gpu_memory_gib, here.index or 0)
+    return on_card(cfg, shapes, longest, memory.usable_gib(budget, cfg.preflight.margin, on_gpu=True), on_gpu=True)
