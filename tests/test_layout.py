@@ -134,16 +134,18 @@ def test_a_stage_package_loads_its_stage_only_when_asked():
 
 
 # The floors of stages/, lowest first. The ground (the schema, paths, errors, memory measurement, data, the base model
-# and its experts) serves every stage; the stages' pieces (train/, export/, merge, smoke) build on it; the modules that
-# check or decide across stages (the preflight and its estimate and checks, the hand-off and its champion comparison)
-# sit on top. An import points down or sideways, never up.
-TOP = {"stages.preflight", "stages.checks", "stages.memory_model", "stages.handoff", "stages.champion"}
+# and its experts) serves every stage; the stages' pieces (train/, export/, merge, smoke, and the analytic memory model,
+# which is arithmetic on the train stage's own settings and which training reads too, to size its packed budget) build
+# on it; the modules that check or decide across stages (the preflight and its checks, the hand-off and its champion
+# comparison) sit on top. An import points down or sideways, never up.
+TOP = {"stages.preflight", "stages.checks", "stages.handoff", "stages.champion"}
+PIECES = {"stages.merge", "stages.smoke", "stages.memory_model"}
 
 
 def floor(module: str) -> int:
     if module in TOP:
         return 2
-    if module.startswith(("stages.train", "stages.export")) or module in ("stages.merge", "stages.smoke"):
+    if module.startswith(("stages.train", "stages.export")) or module in PIECES:
         return 1
     return 0
 

@@ -424,7 +424,6 @@ def bisect_cap(go, lo: float, hi: float, need: float | None, fail: float | None,
 def run_row(mode: str, name: str, work: Path, cpu: bool, deadline: float) -> dict:
     import torch
 
-
     from stages import memory_model, preflight
 
     shape, quant, packing, max_length, mb, r, targets = ROWS[name]
