@@ -533,6 +533,8 @@ def suggest(cfg: RunConfig, s: Shapes, lengths: LengthScan, usable: float, on_gp
             section, field_name = key.split(".")
             patch.setdefault(section, {})[field_name] = value
         changed = cfg.model_copy(update={k: getattr(cfg, k).model_copy(update=v) for k, v in patch.items()})
+        # the packed budget as the changed run would widen it on this card (a shorter max_length packs differently)
+        changed = widen.on_card(batches.with_card_budget(changed, None, ""), s, seq, usable, on_gpu)
         total = estimate(changed, s, seq, on_gpu, packed_tokens=None if "data" in patch else tokens(changed)).total_gib
         if base - total < 0.001:  # saves nothing measurable on this model
             continue

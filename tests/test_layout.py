@@ -195,3 +195,15 @@ def test_the_flow_runs_the_six_stages_in_order():
     body = flow.end_lineno - flow.body[0].lineno + 1   # from its docstring to its last line
     assert body <= 25, f"the flow body is {body} lines: its plumbing belongs in the helpers beside it"
     assert not [n for n in ast.walk(flow) if isinstance(n, (ast.ListComp, ast.DictComp, ast.SetComp, ast.GeneratorExp))]
+
+
+def test_the_readme_floor_plan_names_every_module_on_its_floor():
+    """README's Layout table is redrawn whenever a module is added to stages/: each one named on the floor this file gives it."""
+    lines = (REPO / "README.md").read_text().splitlines()
+    start = lines.index("| floor | modules |")
+    top, pieces, ground = lines[start + 2:start + 5]
+    rows = {2: top, 1: pieces, 0: ground}
+    missing = [f"{path.stem} (floor {floor('stages.' + path.stem)})" for path in sorted(STAGES.glob("*.py"))
+               if path.stem != "__init__" and f"`{path.stem}`" not in rows[floor("stages." + path.stem)]]
+    missing += [f"{pkg}/ (floor 1)" for pkg in ("train", "export") if f"`{pkg}/`" not in pieces]
+    assert not missing, "README's Layout table lacks, on its floor: " + ", ".join(missing)

@@ -82,3 +82,19 @@ def test_wider_micro_batches_train_the_same_samples_per_step_and_the_recovery_na
     smaller = halve_micro_batch(wide, True, 2048)
     assert batches.token_budget(smaller) == 8192 and batches.token_budget_reason(smaller) == "training.max_tokens_per_batch"
     assert batches.token_budget(halve_micro_batch(smaller, True, 2048)) == 4096
+
+
+def test_training_goes_no_wider_than_its_preflight_measured():
+    """A flow retried on a bigger card after its preflight was kept: the budget the preflight planned and probed."""
+    cfg = config()
+    wide = widen.on_card(cfg, shapes(cfg), 2048, 1000.0, True)
+    narrow = widen.no_wider_than_measured(cfg, wide, {"steps": {"packed": True, "tokens_per_micro_batch": 8192}})
+    assert batches.token_budget(narrow) == 8192 and "this run's preflight measured" in batches.token_budget_reason(narrow)
+    for record in (None, {}, {"steps": {"packed": True, "tokens_per_micro_batch": 16384}}, {"steps": {"packed": False}}):
+        assert widen.no_wider_than_measured(cfg, wide, record) is wide
+    # several processes widen only to a budget the config states: each card would otherwise plan its own micro-batches
+    ddp = config(launcher="accelerate", num_processes=2)
+    assert widen.on_card(ddp, shapes(ddp), 2048, 1000.0, True) is ddp
+    stated = ddp.model_copy(update={"preflight": ddp.preflight.model_copy(update={"gpu_memory_gib": 80.0})})
+    assert batches.token_budget(widen.on_card(stated, shapes(stated), 2048, 1000.0, True)) == 16384
+    assert widen.on_card(wide, shapes(cfg), 2048, 1000.0, True) is wide  # chosen once

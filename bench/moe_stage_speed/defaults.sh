@@ -5,7 +5,7 @@
 source bench/moe_stage_speed/_device.sh
 run peft 220 peft --data longtail full
 run stage 300 stage --data longtail full
-if [ $((SECONDS - start)) -lt 420 ]; then
+if [ "${OLD_DEFAULT:-1}" = 1 ] && [ $((SECONDS - start)) -lt 420 ]; then
   run stage-4096 150 stage --data full --budgets 4096
 fi
 python3 bench/moe_stage_speed/run.py merge "$OUT/defaults.json" "$OUT"/peft.json "$OUT"/stage.json "$OUT"/stage-4096.json

@@ -134,7 +134,8 @@ def run(cfg: RunConfig, out_dir: Path, *, inject_oom_at: int | None = None) -> T
     if cfg.training.launcher == "accelerate" and not os.environ.get(launch.LAUNCHED):
         return _launched(cfg, out_dir)
     inputs = _read_inputs(cfg)
-    cfg = widen.in_training(cfg, inputs.longest)  # the packed budget the preflight sized on this card
+    # the packed budget the preflight sized (its result, where this run has one, beside this stage's directory)
+    cfg = widen.in_training(cfg, inputs.longest, result_files.load_if_done(out_dir.parent / "preflight", "preflight"))
     with Tracker(cfg, out_dir) as tracker:
         with memory.track("train", out_dir) as meter:
             final, recoveries = _train_until_it_fits(cfg, inputs, out_dir, tracker, inject_oom_at)

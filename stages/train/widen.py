@@ -21,16 +21,20 @@ from stages.train.kernels import resolve_auto
 
 def on_card(cfg: RunConfig, shapes: Shapes, longest: int, usable_gib: float, on_gpu: bool) -> RunConfig:
     """`cfg` with its packed budget widened for this card (the reason in batches.token_budget_reason), or `cfg` itself
-    where there is nothing to widen: an explicit training.max_tokens_per_batch, padded batches, packed_step: tokens
-    (the budget is then what a step trains), the tiled MLP forced on, no CUDA (no launch overhead to save), or a step
-    whose samples already fill one micro-batch.
+    where there is nothing to widen: an explicit training.max_tokens_per_batch, a budget already chosen, padded
+    batches, packed_step: tokens (the budget is then what a step trains), the tiled MLP forced on, no CUDA (no launch
+    overhead to save), several processes without preflight.gpu_memory_gib, or a step whose samples already fill one
+    micro-batch.
 
     Args:
         longest: the data's longest sample after data.long_sample_policy (the preflight's scan, the training set's).
         usable_gib: the card's budget less the CUDA context and preflight.margin (memory.usable_gib).
     """
     t = cfg.training
-    if (t.max_tokens_per_batch or t.packed_step != "samples" or t.tiled_mlp == "on" or not on_gpu
+    # Processes training together must plan the same micro-batches (their collectives run once per micro-batch): on
+    # cards of different sizes each would widen to its own, so there only a budget the config states is widened to.
+    mixed = t.world_size > 1 and cfg.preflight.gpu_memory_gib is None
+    if (t.max_tokens_per_batch or t._card_budget or t.packed_step != "samples" or t.tiled_mlp == "on" or not on_gpu or mixed
             or not resolve_auto(cfg, on_gpu=on_gpu, longest=longest)["packing"]):
         return cfg
     base = batches.token_budget(cfg)
@@ -41,7 +45,8 @@ def on_card(cfg: RunConfig, shapes: Shapes, longest: int, usable_gib: float, on_
         need = estimate(wide, shapes, longest, on_gpu=on_gpu).total_gib
         if need <= usable_gib:
             why = (f"widened on this card from {base} ({batches.token_budget_reason(cfg)}): a step's samples in fewer "
-                   f"micro-batches, fewer kernel launches per token; estimate {need:.2f} GiB of {usable_gib:.2f} usable"
+                   f"micro-batches, fewer kernel launches per token; estimate for a full budget of the longest samples {need:.2f} GiB of "
+                   f"{usable_gib:.2f} usable"
                    + (f", {tried[-1][0]} tokens would need {tried[-1][1]:.2f}" if tried else ""))
             return batches.with_card_budget(cfg, width, why)
         tried.append((width, need))
@@ -60,8 +65,12 @@ def _widths(base: int, widest: int) -> list[int]:
     return out
 
 
-def in_training(cfg: RunConfig, longest: int) -> RunConfig:
-    """on_card as the train stage calls it: the model's config.json, this process's card and preflight.gpu_memory_gib."""
+def in_training(cfg: RunConfig, longest: int, preflight: dict | None = None) -> RunConfig:
+    """on_card as the train stage calls it: the model's config.json, this process's card and preflight.gpu_memory_gib.
+
+    preflight: this run's preflight result, where there is one: its probe measured the budget it chose, so training
+    never goes wider than that (a flow retried on a bigger card after its preflight was kept), only narrower where this
+    card has less room."""
     import json
 
     from stages import memory
@@ -74,4 +83,17 @@ def in_training(cfg: RunConfig, longest: int) -> RunConfig:
     model_dir = resolve_model_dir(cfg.model.name_or_path)
     shapes = Shapes.from_config(json.loads((model_dir / "config.json").read_text()), cfg.model.trust_remote_code, str(model_dir))
     _, budget = memory.card(cfg.preflight.gpu_memory_gib, here.index or 0)
-    return on_card(cfg, shapes, longest, memory.usable_gib(budget, cfg.preflight.margin, on_gpu=True), on_gpu=True)
+    chosen = on_card(cfg, shapes, longest, memory.usable_gib(budget, cfg.preflight.margin, on_gpu=True), on_gpu=True)
+    return no_wider_than_measured(cfg, chosen, preflight)
+
+
+def no_wider_than_measured(cfg: RunConfig, chosen: RunConfig, preflight: dict | None) -> RunConfig:
+    """`chosen` (cfg widened on this card), or the budget this run's `preflight` result planned and probed where that
+    is narrower: the GPU figure is the figure of the micro-batches it measured."""
+    steps = (preflight or {}).get("steps") or {}
+    measured = steps.get("tokens_per_micro_batch") if steps.get("packed") else None
+    if not chosen.training._card_budget or not measured or measured >= batches.token_budget(chosen):
+        return chosen
+    return batches.with_card_budget(cfg, max(measured, batches.token_budget(cfg)),
+                                    f"the {measured} tokens this run's preflight measured (this card would widen to "
+                                    f"{batches.token_budget(chosen)})")
