@@ -57,9 +57,9 @@ def token_budget_reason(cfg: RunConfig) -> str:
                                                                          if padded >= TILE_FROM_TOKENS else ""))
 
 
-def with_card_budget(cfg: RunConfig, tokens: int, why: str) -> RunConfig:
-    """`cfg` whose default packed budget is `tokens` on this card, for the reason `why` (stages/train/widen.py); the
-    YAML's own fields, and so the config's fingerprint, unchanged."""
+def with_card_budget(cfg: RunConfig, tokens: int | None, why: str) -> RunConfig:
+    """`cfg` whose default packed budget is `tokens` on this card (None: the config's own), for the reason `why`
+    (stages/train/widen.py); the YAML's own fields, and so the config's fingerprint, unchanged."""
     t = cfg.training.model_copy()
     t._card_budget, t._card_reason = tokens, why
     return cfg.model_copy(update={"training": t})
