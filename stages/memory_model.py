@@ -66,6 +66,16 @@ class Shapes:
     arch: Architecture | None = None  # the model built on the meta device: its real modules, where transformers can build it
 
     @classmethod
+    def of_run(cls, cfg: RunConfig) -> Shapes:
+        """The run's base model, read from its config.json (a local directory or the HF cache), no weights."""
+        import json
+
+        from stages.modeldir import resolve_model_dir
+
+        model_dir = resolve_model_dir(cfg.model.name_or_path)
+        return cls.from_config(json.loads((model_dir / "config.json").read_text()), cfg.model.trust_remote_code, str(model_dir))
+
+    @classmethod
     def from_config(cls, cfg: dict, trust_remote_code: bool = False, model_dir: str | None = None) -> Shapes:
         """Reads Llama/Qwen/Mistral-style names, with GPT-style fallbacks; never raises on a missing key.
         The linear modules and parameter count come from the model built on the meta device where it builds."""

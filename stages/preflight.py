@@ -34,7 +34,6 @@ from stages.config import ConfigError, RunConfig
 from stages.errors import UserError
 from stages.memory import CUDA_CONTEXT_GIB, GIB, MemoryReport
 from stages.memory_model import Estimate, Shapes, estimate, loss_mode
-from stages.modeldir import resolve_model_dir
 from stages.modelio import load_tokenizer
 from stages.train import batches, eval_loss, packing, widen
 from stages.train.kernels import resolve_auto
@@ -129,8 +128,7 @@ def run(cfg: RunConfig, out_dir: Path, gpu_memory_gib: float | None = None, *, t
     its disk are not checked here."""
     out_dir = Path(out_dir)
     with memory.track("preflight", out_dir) as meter:
-        model_dir = resolve_model_dir(cfg.model.name_or_path)
-        shapes = Shapes.from_config(json.loads((model_dir / "config.json").read_text()), cfg.model.trust_remote_code, str(model_dir))
+        shapes = Shapes.of_run(cfg)
         targets = shapes.targets(cfg.lora.target_modules)  # names that match no module stop the run here, before any weights load
         lora_notes = architecture.dropout_note(cfg.lora, architecture.lora_kwargs(cfg.lora, targets, shapes.arch.model_class if shapes.arch else "this model"))
         tokenizer = load_tokenizer(cfg.model)

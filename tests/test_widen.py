@@ -3,11 +3,8 @@ wider micro-batches, only as wide as the estimate fits, and the OOM recovery sti
 
 from __future__ import annotations
 
-import json
-
 from stages.config import RunConfig
 from stages.memory_model import Shapes, estimate
-from stages.modeldir import resolve_model_dir
 from stages.train import batches, packing, widen
 from stages.train.oom import halve_micro_batch
 
@@ -22,7 +19,7 @@ def config(accumulation: int = 8, **training) -> RunConfig:
 
 
 def shapes(cfg: RunConfig) -> Shapes:
-    return Shapes.from_config(json.loads((resolve_model_dir(cfg.model.name_or_path) / "config.json").read_text()))
+    return Shapes.of_run(cfg)
 
 
 def need(cfg: RunConfig, tokens: int) -> float:

@@ -71,17 +71,13 @@ def in_training(cfg: RunConfig, longest: int, preflight: dict | None = None) -> 
     preflight: this run's preflight result, where there is one: its probe measured the budget it chose, so training
     never goes wider than that (a flow retried on a bigger card after its preflight was kept), only narrower where this
     card has less room."""
-    import json
-
     from stages import memory
-    from stages.modeldir import resolve_model_dir
     from stages.modelio import device
 
     here = device()
     if here.type != "cuda":  # nothing to widen: spare the meta build
         return cfg
-    model_dir = resolve_model_dir(cfg.model.name_or_path)
-    shapes = Shapes.from_config(json.loads((model_dir / "config.json").read_text()), cfg.model.trust_remote_code, str(model_dir))
+    shapes = Shapes.of_run(cfg)
     _, budget = memory.card(cfg.preflight.gpu_memory_gib, here.index or 0)
     chosen = on_card(cfg, shapes, longest, memory.usable_gib(budget, cfg.preflight.margin, on_gpu=True), on_gpu=True)
     return no_wider_than_measured(cfg, chosen, preflight)
