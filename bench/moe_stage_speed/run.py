@@ -59,7 +59,21 @@ SHAPES = _speed.SHAPES | {"tiny-qwen3-moe": dict(_speed.SHAPES["qwen3-30b-a3b"],
                                                  num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
                                                  vocab_size=512),
                            # the 30B's layer shapes, 4 layers of 48: where the host waits, in a minute of device time
-                           "qwen3-30b-a3b-4-layers": dict(_speed.SHAPES["qwen3-30b-a3b"], num_hidden_layers=4)}
+                           "qwen3-30b-a3b-4-layers": dict(_speed.SHAPES["qwen3-30b-a3b"], num_hidden_layers=4),
+                           # GPT-OSS-20B's published config: 32 experts top-4 with biases, attention sinks, every other
+                           # layer a 128-token window (no SDPA path in transformers: flex_attention on a GPU)
+                           "gpt-oss-20b": dict(model_type="gpt_oss", hidden_size=2880, intermediate_size=2880,
+                                               num_hidden_layers=24, num_attention_heads=64, num_key_value_heads=8,
+                                               head_dim=64, num_local_experts=32, num_experts_per_tok=4, vocab_size=201088,
+                                               sliding_window=128, layer_types=["sliding_attention", "full_attention"] * 12,
+                                               max_position_embeddings=131072, tie_word_embeddings=False),
+                           "tiny-gpt-oss": dict(model_type="gpt_oss", hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                                                num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=8,
+                                                num_experts_per_tok=2, vocab_size=512, sliding_window=32,
+                                                layer_types=["sliding_attention", "full_attention"], tie_word_embeddings=False),
+                           "tiny-olmoe": dict(_speed.SHAPES["olmoe-1b-7b"], hidden_size=64, intermediate_size=32,
+                                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                                              num_experts=8, num_experts_per_tok=2, vocab_size=512)}
 ON_GPU = torch.cuda.is_available()
 
 
@@ -150,13 +164,20 @@ def base_builder(shape: dict):
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.utils.quantization_config import QuantizationMethod
 
+    def attention(requested: str) -> str:   # what load_base passes: `auto` resolved for the family and device
+        from stages import architecture, modelio
+
+        spec = dict(shape)
+        config = AutoConfig.for_model(spec.pop("model_type"), **spec)
+        return modelio.attention_for(requested, architecture.from_config_text(config.to_json_string()))
+
     def load_base(model, quant, *, quantized=None, sharded=False):
         spec = dict(shape)
         config = AutoConfig.for_model(spec.pop("model_type"), **spec)
         torch.manual_seed(0)
         dtype = torch.bfloat16 if ON_GPU else torch.float32
         with torch.device("cuda" if ON_GPU else "cpu"):
-            m = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=model.attn_implementation)
+            m = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attention(model.attn_implementation))
         if quant.load_in_4bit if quantized is None else quantized:
             _qlora.quantize_in_place(m, "cuda" if ON_GPU else "cpu", dtype)
             m.quantization_method = QuantizationMethod.BITS_AND_BYTES   # as from_pretrained marks it: no .to()
@@ -168,7 +189,7 @@ def base_builder(shape: dict):
 def stage_config(model_dir: Path, args, kind: str, steps: int, overrides: dict):
     from stages.config import RunConfig
 
-    raw = {"model": {"name_or_path": str(model_dir), "torch_dtype": "auto", "attn_implementation": "sdpa"},
+    raw = {"model": {"name_or_path": str(model_dir), "torch_dtype": "auto"},   # attention: the default, auto
            "data": {"train_file": str(model_dir / "unused.jsonl"), "max_length": args.max_length},
            "lora": {"r": args.r, "lora_alpha": 2 * args.r, "lora_dropout": 0.0, "target_modules": "all-linear"},
            "quantization": {"load_in_4bit": args.qlora},
@@ -328,7 +349,9 @@ def run_stage(args, shape: dict, work: Path) -> dict:
 def run_peft(args, shape: dict, work: Path) -> dict:
     from transformers import Trainer, TrainingArguments
 
-    model = base_builder(shape)(type("M", (), {"attn_implementation": "sdpa"})(), None, quantized=False)
+    # attention: the product's `auto` for the family (SDPA; flex_attention on a GPU where SDPA would skip sinks or
+    # soft-capping), so both methods compute the same attention
+    model = base_builder(shape)(type("M", (), {"attn_implementation": "auto"})(), None, quantized=False)
     model, targets = _qlora.adapt(model, args.r)   # all-linear, experts included, checkpointed: the benches' plain peft
     counter = Counter(model)
     out = {"adapted": targets.summary(args.r), "runs": {},
@@ -369,11 +392,12 @@ def merge(dest: str, files: list[str]) -> None:
             d = json.loads(Path(f).read_text())
             runs[d["method"]] = d
     out = {"methods": runs, "vs_peft": {}}
-    peft = runs.get("peft", {}).get("result", {}).get("runs", {})
+    baseline = next((n for n in runs if n.split("-")[0] == "peft"), "peft")   # peft, or peft-<shape>
+    peft = runs.get(baseline, {}).get("result", {}).get("runs", {})
     for name, d in runs.items():
         for key, r in d.get("result", {}).get("runs", {}).items():
             p = peft.get(key.split("@")[0])
-            if name == "peft" or not p or not key.split("@")[0].endswith("timed") or "samples_per_s" not in r:
+            if name == baseline or not p or not key.split("@")[0].endswith("timed") or "samples_per_s" not in r:
                 continue
             out["vs_peft"].setdefault(name, {})[key] = {
                 "speed": round(r["samples_per_s"] / p["samples_per_s"], 3),
