@@ -176,3 +176,24 @@ def test_a_killed_moe_training_resumes_to_the_same_experts_bit_for_bit(tmp_path)
     experts = [k for k in a if ".experts." in k]
     assert experts and all(a[k].abs().max() > 0 for k in experts if "lora_B" in k)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_the_best_checkpoint_kept_at_the_end_holds_its_experts(tmp_path):
+    """training.load_best (load_best_model_at_end) on a MoE: a learning rate too small to lower the eval loss after
+    the first eval, so the adapter written is step 1's, the expert factors included, not the last step's."""
+    eval_file = tmp_path / "eval.jsonl"
+    eval_file.write_text("".join((REPO / "assets/data/translate_eval.jsonl").read_text().splitlines(keepends=True)[:8]))
+    cfg = _config(tmp_path, _save("qwen3_moe", tmp_path / "model"), data={"eval_file": str(eval_file)},
+                  lora={"r": 4, "lora_alpha": 8},
+                  training={"max_steps": 12, "save_steps": 1, "eval_steps": 1, "early_stopping_patience": 2,
+                            "learning_rate": 1e-12, "warmup_steps": 0, "per_device_train_batch_size": 2,
+                            "max_tokens_per_batch": 64})
+    r = train_stage.run(cfg, tmp_path / "train")
+    assert r.stopped_early and r.best_step == r.adapter_step == 1
+    ckpt = tmp_path / "train" / "checkpoints"
+    adapter = load_file(r.adapter_dir / "adapter_model.safetensors")
+    best, last = (load_file(ckpt / f"checkpoint-{s}" / "adapter_model.safetensors") for s in (1, r.steps))
+    experts = [k for k in best if ".experts." in k]
+    assert experts and adapter.keys() == best.keys()
+    assert all(torch.equal(adapter[k], best[k]) for k in best)
+    assert any(not torch.equal(adapter[k], last[k]) for k in experts)   # the later steps did move the experts
