@@ -2,9 +2,9 @@
 # GPT-OSS-20B), each method in its own process, the same samples, both data sets, at the product's own defaults
 # (ARGS: micro-batch 8, gradient accumulation 1, data.max_length 1024: a step of 8 samples, one packed micro-batch of
 # at most 8,192 tokens, nothing to widen); a merge per shape, ratios within this call only. METHODS narrows the methods (a
-# second call finishing a shape); a run that would pass the call's 590 s is cut to what is left.
+# second call finishing a shape); a run that would pass the call's LIMIT (585 s) is cut to what is left.
 source bench/moe_stage_speed/_device.sh
-left() { local s=$((585 - (SECONDS - start))); [ "$s" -lt "$1" ] && echo "$s" || echo "$1"; }
+left() { local s=$((${LIMIT:-585} - (SECONDS - start))); [ "$s" -lt "$1" ] && echo "$s" || echo "$1"; }
 for shape in ${SHAPES:-olmoe-1b-7b gpt-oss-20b}; do
   for method in ${METHODS:-peft stage}; do
     secs=$(left 300)
