@@ -55,6 +55,28 @@ def write_config(tmp: Path, base: Path = DEFAULT, **sections) -> Path:
     return path
 
 
+def killed_then_rerun(cfg_path: Path, out: Path, checkpoint: int) -> dict:
+    """`python -m stages.train` on `cfg_path` into `out`, killed with SIGKILL once checkpoint-`checkpoint` is
+    written (no adapter published yet), then the same command run to its end; returns its train_result.json."""
+    import signal
+    import time
+
+    import torch
+
+    cmd = [sys.executable, "-m", "stages.train", "--config", str(cfg_path), "--out", str(out)]
+    env = os.environ | {"OMP_NUM_THREADS": str(torch.get_num_threads())}
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while not (out / "checkpoints" / f"checkpoint-{checkpoint}" / "trainer_state.json").is_file():
+        assert proc.poll() is None and time.time() < deadline, "training ended before it could be killed"
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not (out / "adapter").exists()
+    subprocess.run(cmd, cwd=REPO, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return json.loads((out / "train_result.json").read_text())
+
+
 _PREFECT_TEMPLATE: list[Path] = []
 
 

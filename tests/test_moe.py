@@ -17,7 +17,7 @@ from stages import architecture, merge
 from stages.config import load_config
 from stages.errors import ConfigError
 from stages.train import stage as train_stage
-from tests.conftest import REPO, write_config
+from tests.conftest import REPO, killed_then_rerun, write_config
 
 VOCAB = 448   # the tiny tokenizer's
 COMMON = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -145,12 +145,6 @@ def test_the_model_card_names_the_experts_rank():
 def test_a_killed_moe_training_resumes_to_the_same_experts_bit_for_bit(tmp_path):
     """kill -9 after a checkpoint, then the same command: the rerun resumes from the checkpoint (peft's expert LoRA
     factors and their optimizer states loaded back onto the fused stacks) and ends where an uninterrupted run does."""
-    import os
-    import signal
-    import subprocess
-    import sys
-    import time
-
     model_dir = _save("qwen3_moe", tmp_path / "model")
     cfg_path = write_config(tmp_path, model={"name_or_path": str(model_dir)}, lora={"r": 4, "lora_alpha": 8},
                             training={"max_steps": 8, "save_steps": 2, "learning_rate": 1e-2, "warmup_steps": 0})
@@ -158,18 +152,7 @@ def test_a_killed_moe_training_resumes_to_the_same_experts_bit_for_bit(tmp_path)
     train_stage.run(load_config(cfg_path), straight)
 
     crashed = tmp_path / "crashed"
-    cmd = [sys.executable, "-m", "stages.train", "--config", str(cfg_path), "--out", str(crashed)]
-    env = os.environ | {"OMP_NUM_THREADS": str(torch.get_num_threads())}
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 120
-    while not (crashed / "checkpoints" / "checkpoint-4" / "trainer_state.json").is_file():
-        assert proc.poll() is None and time.time() < deadline, "training ended before it could be killed"
-        time.sleep(0.05)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
-    assert not (crashed / "adapter").exists()
-    subprocess.run(cmd, cwd=REPO, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    result = json.loads((crashed / "train_result.json").read_text())
+    result = killed_then_rerun(cfg_path, crashed, 4)
     assert result["resumed_from"].endswith(("checkpoint-4", "checkpoint-6")) and result["steps"] == 8
     a = load_file(straight / "adapter" / "adapter_model.safetensors")
     b = load_file(crashed / "adapter" / "adapter_model.safetensors")

@@ -19,7 +19,7 @@ from stages.modelio import load_tokenizer
 from stages.train import batches, hf_trainer, kernels, oom
 from stages.train import model as lora_model
 from stages.train import stage as train_stage
-from tests.conftest import REPO, write_config
+from tests.conftest import REPO, killed_then_rerun, write_config
 
 pytestmark = pytest.mark.slow
 SHORT = {"max_steps": 8, "save_steps": 2, "logging_steps": 1, "per_device_train_batch_size": 8, "warmup_steps": 0}
@@ -101,18 +101,7 @@ def test_kill_9_then_rerun_equals_an_uninterrupted_run_bit_for_bit(tmp_path, pac
     train.run(load_config(cfg_path), straight)
 
     crashed = tmp_path / "crashed"
-    cmd = [sys.executable, "-m", "stages.train", "--config", str(cfg_path), "--out", str(crashed)]
-    env = os.environ | {"OMP_NUM_THREADS": str(torch.get_num_threads())}
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 120
-    while not (crashed / "checkpoints" / "checkpoint-6" / "trainer_state.json").is_file():
-        assert proc.poll() is None and time.time() < deadline, "training ended before it could be killed"
-        time.sleep(0.05)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
-    assert not (crashed / "adapter").exists()
-    subprocess.run(cmd, cwd=REPO, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    result = json.loads((crashed / "train_result.json").read_text())
+    result = killed_then_rerun(cfg_path, crashed, 6)
     assert result["resumed_from"].endswith(("checkpoint-6", "checkpoint-9")) and result["steps"] == 12
     a = load_file(straight / "adapter" / "adapter_model.safetensors")
     b = load_file(crashed / "adapter" / "adapter_model.safetensors")

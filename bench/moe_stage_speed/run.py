@@ -164,20 +164,20 @@ def base_builder(shape: dict):
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.utils.quantization_config import QuantizationMethod
 
+    def config():
+        spec = dict(shape)
+        return AutoConfig.for_model(spec.pop("model_type"), **spec)
+
     def attention(requested: str) -> str:   # what load_base passes: `auto` resolved for the family and device
         from stages import architecture, modelio
 
-        spec = dict(shape)
-        config = AutoConfig.for_model(spec.pop("model_type"), **spec)
-        return modelio.attention_for(requested, architecture.from_config_text(config.to_json_string()))
+        return modelio.attention_for(requested, architecture.from_config_text(config().to_json_string()))
 
     def load_base(model, quant, *, quantized=None, sharded=False):
-        spec = dict(shape)
-        config = AutoConfig.for_model(spec.pop("model_type"), **spec)
         torch.manual_seed(0)
         dtype = torch.bfloat16 if ON_GPU else torch.float32
         with torch.device("cuda" if ON_GPU else "cpu"):
-            m = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attention(model.attn_implementation))
+            m = AutoModelForCausalLM.from_config(config(), dtype=dtype, attn_implementation=attention(model.attn_implementation))
         if quant.load_in_4bit if quantized is None else quantized:
             _qlora.quantize_in_place(m, "cuda" if ON_GPU else "cpu", dtype)
             m.quantization_method = QuantizationMethod.BITS_AND_BYTES   # as from_pretrained marks it: no .to()
