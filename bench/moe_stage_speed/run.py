@@ -274,7 +274,68 @@ def profiled_after_first(trainer, stacks: bool) -> dict:
 
     trainer.add_callback(Window())
     trainer.train()
-    return _profile.summary(p, window["wall"], 1) | ({"host_syncs": syncs.found()} if syncs else {})
+    try:
+        timeline = streams(p)
+    except Exception as e:  # noqa: BLE001 - the kernel summary stands without it
+        timeline = {"error": repr(e)}
+    return _profile.summary(p, window["wall"], 1) | {"streams": timeline} | ({"host_syncs": syncs.found()} if syncs else {})
+
+
+def streams(p, gap_ns: int = 5_000, after_ns: int = 30_000) -> dict:
+    """Where the compute stream (the one with the most kernel time) sat idle in a profiled window: each gap of at
+    least `gap_ns` is put down to a copy on another stream when one ended inside it and compute started again within
+    `after_ns` of that end (a wait on the copy's event), else to the host (nothing queued yet). Also how much of the
+    other streams' copy time ran beside compute."""
+    every = p.profiler.kineto_results.events()
+    events = [e for e in every if e.device_type() == torch.autograd.DeviceType.CUDA and e.duration_ns() > 0]
+    runtime = sorted((e.start_ns(), e.start_ns() + e.duration_ns(), e.name()) for e in every
+                     if e.device_type() == torch.autograd.DeviceType.CPU and e.name().startswith("cu") and e.duration_ns() > 100_000)
+    by_stream: dict[int, list] = {}
+    for e in events:
+        by_stream.setdefault(e.device_resource_id(), []).append((e.start_ns(), e.start_ns() + e.duration_ns(), e.name()))
+    if not by_stream:
+        return {}
+    compute = max(by_stream, key=lambda s: sum(b - a for a, b, _ in by_stream[s]))
+    busy = []   # compute's busy intervals, merged
+    for a, b, _ in sorted(by_stream[compute]):
+        if busy and a <= busy[-1][1]:
+            busy[-1][1] = max(busy[-1][1], b)
+        else:
+            busy.append([a, b])
+    copies = sorted((a, b, n) for s, ev in by_stream.items() if s != compute for a, b, n in ev if "Memcpy" in n)
+    waits = {"host": [0, 0.0]}
+    t0 = busy[0][0]
+    big = []   # the gaps over 0.5 ms in order, with the host's long runtime calls during them
+    for (_, g0), (g1, _) in zip(busy, busy[1:], strict=False):
+        if g1 - g0 < gap_ns:
+            continue
+        ended = [c for c in copies if g0 <= c[1] <= g1 and g1 - c[1] <= after_ns]
+        key = ("waited for " + ended[-1][2].split(" (")[0]) if ended else "host"
+        if g1 - g0 > 500_000 and len(big) < 60:
+            after = min((e for e in by_stream[compute] if e[0] >= g1), default=(0, 0, ""))[2][:60]
+            big.append({"at_ms": round((g0 - t0) / 1e6, 2), "ms": round((g1 - g0) / 1e6, 2), "cause": key, "then": after,
+                        "host_calls": [f"{n} {round((b - a) / 1e6, 2)}" for a, b, n in runtime if a < g1 and b > g0][:6]})
+        w = waits.setdefault(key, [0, 0.0])
+        w[0] += 1
+        w[1] += (g1 - g0) / 1e6
+
+    def overlapped(a: int, b: int) -> int:
+        return sum(max(0, min(b, y) - max(a, x)) for x, y in busy if y > a and x < b)
+
+    side = {}
+    for a, b, n in copies:
+        k = side.setdefault(n.split(" (")[0], {"calls": 0, "ms": 0.0, "beside_compute_ms": 0.0})
+        k["calls"] += 1
+        k["ms"] += (b - a) / 1e6
+        k["beside_compute_ms"] += overlapped(a, b) / 1e6
+    span = (busy[-1][1] - busy[0][0]) / 1e6
+    timeline = [{"copy": n.split(" (")[0], "at_ms": round((a - t0) / 1e6, 2), "ms": round((b - a) / 1e6, 2),
+                 "beside_compute_ms": round(overlapped(a, b) / 1e6, 2)} for a, b, n in copies[:60]]
+    return {"compute_stream": compute, "span_ms": round(span, 1), "compute_busy_ms": round(sum(b - a for a, b in busy) / 1e6, 1),
+            "idle_ms_by_cause": {k: {"gaps": n, "ms": round(ms, 1)} for k, (n, ms) in waits.items()},
+            "side_copies": {k: {kk: round(vv, 1) for kk, vv in v.items()} for k, v in side.items()},
+            "other_streams": {s: round(sum(b - a for a, b, _ in ev) / 1e6, 1) for s, ev in by_stream.items() if s != compute},
+            "gaps_over_half_ms": big, "copies": timeline}
 
 
 def _before():
@@ -436,7 +497,15 @@ def main() -> None:
                     "(torch.cuda.set_sync_debug_mode: the Python stacks of every synchronizing op, by count)")
     ap.add_argument("--profile", type=int, nargs="*", help="stage: after the timed runs at these budgets, two more steps "
                     "of the first variant, the second under torch.profiler (kernels by kind, GPU busy share)")
+    ap.add_argument("--offload-lag", type=int, help="stage: stages.train.offload.LAG (copies in flight in forward)")
+    ap.add_argument("--offload-chunk-mib", type=float, help="stage: stages.train.offload.CHUNK_BYTES in MiB")
+    ap.add_argument("--offload-prefetch", type=int, help="stage: stages.train.offload.PREFETCH (tensors fetched ahead)")
     args = ap.parse_args()
+    from stages.train import offload
+
+    offload.LAG = args.offload_lag or offload.LAG
+    offload.PREFETCH = args.offload_prefetch or offload.PREFETCH
+    offload.CHUNK_BYTES = int((args.offload_chunk_mib or 0) * 2**20) or offload.CHUNK_BYTES
     import peft
     import transformers
 
