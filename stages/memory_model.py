@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 
 from stages import architecture
 from stages.architecture import Architecture, Linear, Targets
-from stages.config import RunConfig
+from stages.config import ConfigError, RunConfig
 from stages.memory import GIB
 from stages.modelio import compute_dtype
-from stages.train.kernels import OPTIM_BYTES, fused_loss_for, model_type, resolve_auto
+from stages.train.kernels import OPTIM_BYTES, cross_entropy, resolve_auto
 
 KNOWN_MODEL_TYPES = {"llama", "qwen2", "mistral", "qwen3", "phi3", "olmo2"}  # measured (bench/gpu_figure/results/)
 ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -261,7 +261,7 @@ def _step(cfg: RunConfig, s: Shapes, longest: int, on_gpu: bool, k: dict, packed
     r = cfg.lora.r
     matrices = [n for m in targets.linears for a, o in m.shapes for n in (r * a, r * o)]
     matrices += [n for stack in targets.stacks for n in stack.lora_matrices(r)]
-    return _Step(cfg, s, k, gpu, on_gpu, act, b, seq, targets, matrices, loss_mode(cfg, on_gpu) == "chunked")
+    return _Step(cfg, s, k, gpu, on_gpu, act, b, seq, targets, matrices, loss_mode(cfg, on_gpu) != "plain")
 
 
 def _base_weights(step: _Step) -> float:
@@ -450,10 +450,11 @@ def _state_bytes(optim: str, numel: int, on_gpu: bool, paged: bool = False) -> f
 
 
 def loss_mode(cfg: RunConfig, on_gpu: bool) -> str:
-    """The loss the train stage computes there: `auto` is Liger's chunked one on a GPU where Liger has it for the family."""
-    if cfg.training.cross_entropy == "auto":
-        return "chunked" if on_gpu and fused_loss_for(model_type(cfg)) else "plain"
-    return cfg.training.cross_entropy
+    """The loss the train stage computes there (kernels.cross_entropy): plain, chunked (Liger's) or chunked-torch."""
+    try:
+        return cross_entropy(cfg, on_gpu=on_gpu)
+    except ConfigError:   # chunked asked where no chunked loss covers the model: the settings refuse it, with the fix
+        return "plain"
 
 
 def _widest(value) -> int:

@@ -481,6 +481,10 @@ def eval_worst(cfg: RunConfig, rows: list[dict]) -> list[int]:
 MAX_LONGEST = 4096  # lengths kept for building the packed worst micro-batch (a budget of 4096 x 1-token samples)
 
 
+def _with_loss(cfg: RunConfig, loss: str) -> RunConfig:
+    return cfg.model_copy(update={"training": cfg.training.model_copy(update={"cross_entropy": loss})})
+
+
 def suggest(cfg: RunConfig, s: Shapes, lengths: LengthScan, usable: float, on_gpu: bool, packed_tokens=None) -> list[dict]:
     """Single config changes, each re-estimated, ranked by predicted saving.
 
@@ -493,7 +497,7 @@ def suggest(cfg: RunConfig, s: Shapes, lengths: LengthScan, usable: float, on_gp
     """
     t = cfg.training
     options = []  # (rank, overrides, seq)
-    if on_gpu and loss_mode(cfg, on_gpu) == "plain":
+    if on_gpu and loss_mode(cfg, on_gpu) == "plain" and loss_mode(_with_loss(cfg, "chunked"), on_gpu) != "plain":
         options.append((0, {"training.cross_entropy": "chunked"}, lengths.max))
     if lengths.packed:
         half = min(batches.token_budget(cfg), batches.widest_packed(cfg, lengths.max)) // 2

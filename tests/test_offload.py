@@ -55,15 +55,3 @@ def test_gradients_through_the_hooks_equal_the_plain_ones():
     hooks.reset()
     for a, b in zip(plain, [p.grad for p in model.parameters()] + [x.grad], strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
-
-
-def test_a_copy_cut_into_pieces_is_the_whole_tensor(monkeypatch):
-    from stages.train import offload
-
-    # pieces that do not divide the tensor, and a transposed (non-contiguous) source copied whole
-    monkeypatch.setattr(offload, "CHUNK_BYTES", 3 * 1024)
-    src = torch.randn(97, 129, dtype=torch.bfloat16)
-    for source in (src, src.t()):
-        dst = torch.empty(source.shape, dtype=source.dtype)
-        offload._copy(dst, source)
-        assert torch.equal(dst, source)

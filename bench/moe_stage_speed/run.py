@@ -497,15 +497,7 @@ def main() -> None:
                     "(torch.cuda.set_sync_debug_mode: the Python stacks of every synchronizing op, by count)")
     ap.add_argument("--profile", type=int, nargs="*", help="stage: after the timed runs at these budgets, two more steps "
                     "of the first variant, the second under torch.profiler (kernels by kind, GPU busy share)")
-    ap.add_argument("--offload-lag", type=int, help="stage: stages.train.offload.LAG (copies in flight in forward)")
-    ap.add_argument("--offload-chunk-mib", type=float, help="stage: stages.train.offload.CHUNK_BYTES in MiB")
-    ap.add_argument("--offload-prefetch", type=int, help="stage: stages.train.offload.PREFETCH (tensors fetched ahead)")
     args = ap.parse_args()
-    from stages.train import offload
-
-    offload.LAG = args.offload_lag or offload.LAG
-    offload.PREFETCH = args.offload_prefetch or offload.PREFETCH
-    offload.CHUNK_BYTES = int((args.offload_chunk_mib or 0) * 2**20) or offload.CHUNK_BYTES
     import peft
     import transformers
 

@@ -97,7 +97,7 @@ class Settings:
     offload_embeddings: bool
     tiled_mlp: bool
     optim: str
-    cross_entropy: str             # plain or chunked
+    cross_entropy: str             # plain, chunked (Liger's) or chunked-torch (stages/train/chunked_loss.py)
 
 
 _NEEDS = {"fused_kernels": "a CUDA GPU and liger-kernel (`pip install -e .[gpu]`)",
@@ -163,21 +163,55 @@ def tile_mlp(model, on: bool = True) -> int:
     return n
 
 
-def cross_entropy(cfg: RunConfig) -> str:
-    """plain or chunked: `auto` is chunked (Liger's fused linear cross-entropy) on a GPU, for the families Liger has it for."""
+def cross_entropy(cfg: RunConfig, on_gpu: bool | None = None) -> str:
+    """The loss the train stage computes: `plain` (the tokens x vocab logits), `chunked` (Liger's fused linear
+    cross-entropy, on a GPU, for the families Liger has it for) or `chunked-torch` (stages/train/chunked_loss.py, on
+    any device, for the families whose forward it can take). `auto` and `chunked` take the first chunked one that
+    covers the family; `chunked` where neither does is one error naming both reasons.
+
+    Args:
+        on_gpu: the device estimated for (the preflight on a CPU machine estimating a GPU run); None: this machine,
+            where Liger must also be installed.
+    """
     choice = cfg.training.cross_entropy
+    if choice == "plain":
+        return "plain"
+    here = on_gpu is None
+    on_gpu = device().type == "cuda" if here else on_gpu
     family = model_type(cfg)
-    if choice == "auto":
-        return "chunked" if device().type == "cuda" and _has_liger() and fused_loss_for(family) else "plain"
-    if choice == "chunked" and not (device().type == "cuda" and _has_liger()):
-        raise ConfigError(
-            "training.cross_entropy: chunked needs a CUDA GPU and liger-kernel (`pip install -e .[gpu]`, Triton-based); "
-            "set training.cross_entropy: plain (or auto) on this machine"
-        )
-    if choice == "chunked" and not fused_loss_for(family):
-        raise ConfigError(f"training.cross_entropy: chunked: liger-kernel has no fused linear cross-entropy for model_type "
-                          f"{family!r}; set training.cross_entropy: auto (the plain loss for this family) or plain")
-    return choice
+    if on_gpu and (_has_liger() or not here) and fused_loss_for(family):
+        return "chunked"
+    refusal = own_loss_refusal(cfg)
+    if refusal is None:
+        return "chunked-torch"
+    if choice == "chunked":
+        liger = ("liger-kernel has no fused linear cross-entropy for model_type " + repr(family) if on_gpu and _has_liger()
+                 else "Liger's fused linear cross-entropy needs a CUDA GPU and liger-kernel (`pip install -e .[gpu]`)")
+        raise ConfigError(f"training.cross_entropy: chunked: {liger}, and the project's own chunked loss cannot take this "
+                          f"model: {refusal}; set training.cross_entropy: auto (the plain loss here) or plain")
+    return "plain"
+
+
+def own_loss_refusal(cfg: RunConfig) -> str | None:
+    """Why stages/train/chunked_loss.py cannot compute this run's loss, or None where it can."""
+    import transformers
+
+    from stages import architecture
+    from stages.train import chunked_loss
+
+    if cfg.training.distributed == "fsdp":
+        return "distributed: fsdp shards the output layer it reads"
+    try:
+        arch = architecture.of_model(cfg.model)
+    except Exception:  # noqa: BLE001 - a model that cannot be read is reported by the model checks, with the fix
+        arch = None
+    cls = getattr(transformers, arch.model_class, None) if arch else None
+    if cls is None:
+        return "the model's class is not one transformers ships"
+    targets = cfg.lora.target_modules
+    if arch.output_layer and targets != "all-linear" and arch.output_layer in targets:
+        return f"lora.target_modules adapts the output layer ({arch.output_layer})"
+    return chunked_loss.unsupported(cls)
 
 
 def model_type(cfg: RunConfig) -> str | None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from stages import architecture, expert_lora, moe
 from stages.config import RunConfig
 from stages.modelio import device, load_base
-from stages.train import kernels, sharding
+from stages.train import chunked_loss, kernels, sharding
 from stages.train.attention import avoid_cudnn_sdpa, use_packed_attention
 from stages.train.offload import embeddings_to_host
 
@@ -37,6 +37,8 @@ def build_model(cfg: RunConfig, longest: int | None = None, settings: kernels.Se
         use_packed_attention(model, s.packed_attention)
     kernels.use_liger(model, loss=s.cross_entropy == "chunked", kernels=s.fused_kernels,
                       forced=cfg.training.cross_entropy == "chunked" or cfg.training.fused_kernels == "on")
+    if s.cross_entropy == "chunked-torch":
+        chunked_loss.use(model)
     expert_lora.use_nf4_stacks(model)   # Liger binds its fused MoE forward to the experts, which reads 16-bit stacks only
     if sharding.active(cfg) and s.cross_entropy == "chunked":
         sharding.gather_lm_head_for_fused_loss(model)

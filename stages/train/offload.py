@@ -26,9 +26,6 @@ import math
 import torch
 
 MIN_BYTES = 1 << 20  # below this a copy costs more than it saves
-LAG = 1       # packed tensors whose copies may still run when the next one is packed (each keeps its GPU block)
-PREFETCH = 1  # saved tensors brought back ahead of the one backward asks for
-CHUNK_BYTES = 0  # copies cut into pieces of at most this many bytes (0: whole)
 
 
 class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
@@ -47,7 +44,7 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         self.param_ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
         self.host: list = []      # index -> (cpu tensor, device, copy-done event), until reset()
         self.fetched: dict = {}   # index -> (gpu tensor, event), prefetched in backward
-        self.pending: list = []   # (gpu tensor, copy-done event): the last LAG packed, until _settle()
+        self.pending: tuple | None = None  # (gpu tensor, copy-done event): the last one packed, until _settle()
         self.pool = PinnedPool()
         self.offloaded_bytes = 0
         super().__init__(self._pack, self._unpack)
@@ -60,15 +57,16 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         self.host.clear()
         self.fetched.clear()
 
-    def _settle(self, keep: int = 0) -> None:
-        """Release the packed tensors but the last `keep`: work queued on the compute stream from here on waits for
-        their copies, so the allocator may hand their blocks to the next allocation at once."""
-        while len(self.pending) > keep:
-            self.compute.wait_event(self.pending.pop(0)[1])  # the block's own stream, whichever is current here
+    def _settle(self) -> None:
+        """Release the last packed tensor: work queued on the compute stream from here on waits for its copy, so
+        the allocator may hand its block to the next allocation at once."""
+        if self.pending is not None:
+            self.compute.wait_event(self.pending[1])  # the block's own stream, whichever is current here
+            self.pending = None
 
     def __del__(self) -> None:
         # Dropped without reset(): blocks the side stream may still read or write are about to be freed.
-        if getattr(self, "stream", None) is not None and (getattr(self, "pending", None) or getattr(self, "fetched", None)):
+        if getattr(self, "stream", None) is not None and (getattr(self, "pending", None) is not None or getattr(self, "fetched", None)):
             try:
                 self.stream.synchronize()
             except Exception:
@@ -89,12 +87,12 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         self.stream.wait_stream(compute)  # t is written by work queued on compute
         with torch.cuda.stream(self.stream):
             cpu = self.pool.take(t.shape, t.dtype)
-            _copy(cpu, t)
+            cpu.copy_(t, non_blocking=True)
             done = torch.cuda.Event()
             done.record()
-        # LAG tensors behind: the earlier copies have had the compute since to run beside, so the wait rarely stalls.
-        self.pending.append((t.detach(), done))  # the storage, not a failed forward's graph
-        self._settle(keep=LAG)
+        # One tensor behind: the previous copy has had this one's compute to run beside, so the wait rarely stalls.
+        self._settle()
+        self.pending = (t.detach(), done)  # the storage, not a failed forward's graph
         self.host.append((cpu, t.device, done))
         self.offloaded_bytes += cpu.numel() * cpu.element_size()
         return len(self.host) - 1
@@ -107,7 +105,7 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         self.stream.wait_stream(torch.cuda.current_stream())  # the block may be in use by queued compute
         with torch.cuda.stream(self.stream):
             self.stream.wait_event(done)
-            _copy(gpu, cpu)
+            gpu.copy_(cpu, non_blocking=True)
             ready = torch.cuda.Event()
             ready.record()
         # No record_stream: compute waits for `ready` before it uses gpu (or before reset() drops it), so every
@@ -121,21 +119,11 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         i = packed
         gpu, ready = self.fetched.pop(i, None) or self._fetch(i)
         torch.cuda.current_stream().wait_event(ready)
-        # backward walks the layers in reverse: start bringing the previous ones back now
-        for j in range(max(i - PREFETCH, 0), i):
-            if j not in self.fetched:
-                self.fetched[j] = self._fetch(j)
+        # backward walks the layers in reverse: start bringing the previous one back now
+        j = i - 1
+        if j >= 0 and j not in self.fetched:
+            self.fetched[j] = self._fetch(j)
         return gpu
-
-
-def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
-    if CHUNK_BYTES and dst.is_contiguous() and src.is_contiguous():
-        d, s = dst.view(-1), src.view(-1)
-        step = max(CHUNK_BYTES // s.element_size(), 1)
-        for k in range(0, s.numel(), step):
-            d[k:k + step].copy_(s[k:k + step], non_blocking=True)
-    else:
-        dst.copy_(src, non_blocking=True)
 
 
 class PinnedPool:

@@ -1,0 +1,128 @@
+"""The causal-LM loss without the tokens x vocab logits, for the families Liger's fused loss does not cover.
+
+The stock loss computes every position's logits and upcasts them to fp32: 1.6 GB for 8,192 tokens of a 50k
+vocabulary, 6.6 GB at 201k (GPT-OSS), and autograd keeps them (and their softmax) for backward. Here the loss-carrying
+rows go through the output layer a chunk at a time: each chunk's logits, loss and gradient are computed in the
+forward and only the gradient with respect to the hidden states ([rows, hidden], 16-bit) is kept; the chunk's logits
+are freed before the next. Chunks are half Liger's size (`chunk_rows`), so what stages/memory_model.py counts for
+Liger's loss holds for this one.
+
+It is installed on the model's own forward: the output layer returns its input and the model's `loss_function`
+receives the hidden states in place of the logits, so everything the family's forward does around the loss (the
+router's auxiliary loss of a mixture of experts, a linear logit scale: Granite's 1/logits_scaling, Cohere's
+logit_scale) stays the family's. A forward that does anything else to the logits (Gemma-2's soft-capping, a vocabulary
+slice) is not linear in the hidden states: `unsupported` says so and the stock loss is kept.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import re
+
+import torch
+from torch import nn
+
+# what a family's forward may do between `logits = self.lm_head(...)` and `self.loss_function(...)`
+_LINEAR = re.compile(r"(logits = logits [*/] [\w.]+|loss = None|if labels is not None:)\s*(#.*)?")
+
+
+def unsupported(model_class: type) -> str | None:
+    """Why this CausalLM class's forward cannot take the chunked loss, or None where it can."""
+    try:
+        source = inspect.getsource(model_class.forward)
+    except (OSError, TypeError):
+        return f"the source of {model_class.__name__}.forward cannot be read"
+    head, loss = source.find("self.lm_head("), source.find("self.loss_function(")
+    if head < 0 or loss < head:
+        return f"{model_class.__name__}.forward does not compute logits = self.lm_head(...) and then self.loss_function(...)"
+    for line in source[head:loss].splitlines()[1:-1]:
+        line = line.strip()
+        if line and not line.startswith("#") and not _LINEAR.fullmatch(line):
+            return f"{model_class.__name__}.forward changes the logits before the loss ({line})"
+    return None
+
+
+def chunk_rows(rows: int, vocab: int, hidden: int) -> int:
+    """Half Liger's chunk (the rows whose logits are about as many elements as the hidden states of all rows): a chunk
+    here holds its logits in 16 bits, then 32, then its gradient in 16 (6 bytes a logit against the 4 that
+    stages/memory_model.py counts per logit of Liger's chunk)."""
+    liger = 1 << max(0, math.ceil(math.log2(max(1, math.ceil(rows / math.ceil(vocab / hidden))))))
+    return max(1, liger // 2)
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """sum over rows of cross_entropy(hidden @ weight.T + bias, targets), the gradients computed chunk by chunk in
+    the forward (where a gradient is wanted) and scaled by the incoming one in backward."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets):
+        want_h, want_w, want_b = ctx.needs_input_grad[:3]   # forward runs without grad mode: asked of ctx
+        w = weight.to(hidden.dtype)
+        b = bias.to(hidden.dtype) if bias is not None else None
+        step = chunk_rows(hidden.shape[0], weight.shape[0], weight.shape[1])
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        grad_h = torch.empty_like(hidden) if want_h else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_w else None
+        grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if want_b else None
+        for start in range(0, hidden.shape[0], step):
+            h, t = hidden[start:start + step], targets[start:start + step]
+            logits = (h @ w.T if b is None else torch.addmm(b, h, w.T)).float()
+            lse = torch.logsumexp(logits, dim=-1)
+            total += (lse - logits.gather(1, t[:, None]).squeeze(1)).sum()
+            if not (want_h or want_w or want_b):
+                continue
+            # d(sum of losses)/d logits = softmax - one-hot, written over the logits (one chunk's fp32 buffer)
+            grad = logits.sub_(lse[:, None]).exp_()
+            grad.scatter_add_(1, t[:, None], torch.full_like(lse[:, None], -1.0))
+            if want_h:
+                grad_h[start:start + step] = grad.to(hidden.dtype) @ w
+            if want_w:
+                grad_w += grad.T @ h.float()
+            if want_b:
+                grad_b += grad.sum(0)
+        ctx.save_for_backward(grad_h, grad_w, grad_b)
+        ctx.dtypes = (weight.dtype, bias.dtype if bias is not None else None)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        grad_h, grad_w, grad_b = ctx.saved_tensors
+        return (grad_h * grad_out.to(grad_h.dtype) if grad_h is not None else None,
+                (grad_w * grad_out).to(ctx.dtypes[0]) if grad_w is not None else None,
+                (grad_b * grad_out).to(ctx.dtypes[1]) if grad_b is not None else None, None)
+
+
+def _passthrough(hidden: torch.Tensor) -> torch.Tensor:
+    return hidden
+
+
+def use(model: nn.Module) -> None:
+    """The chunked loss on this CausalLM instance (before peft wraps it): its output layer hands the hidden states to
+    its `loss_function`, which computes ForCausalLMLoss's value (transformers.loss.loss_utils) from them."""
+    head = model.get_output_embeddings()
+    if type(head) is not nn.Linear or not head.weight.is_floating_point():
+        raise ValueError(f"the chunked loss needs a plain nn.Linear output layer with a 16- or 32-bit weight, not "
+                         f"{type(head).__name__}; set training.cross_entropy: plain")
+    head.forward = _passthrough
+
+    def loss_function(logits, labels, vocab_size=None, num_items_in_batch=None, ignore_index=-100, shift_labels=None, **_):
+        # `logits` are the hidden states here (the output layer passed them through), under the stock loss's name
+        if shift_labels is None:   # tokens < n predict n, as ForCausalLMLoss shifts
+            shift_labels = nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+        rows = logits.reshape(-1, logits.shape[-1])
+        targets = shift_labels.reshape(-1).to(rows.device)
+        kept = (targets != ignore_index).nonzero().squeeze(1)   # only loss-carrying rows meet the output layer
+        total = _LinearCrossEntropy.apply(rows.index_select(0, kept), head.weight, head.bias, targets.index_select(0, kept))
+        if num_items_in_batch is None:   # the mean over loss-carrying tokens (NaN where there are none, as the stock loss)
+            return total / kept.numel()
+        return total / (num_items_in_batch.to(total.device) if torch.is_tensor(num_items_in_batch) else num_items_in_batch)
+
+    model.loss_function = loss_function
+
+
+def installed(model: nn.Module) -> bool:
+    """Whether `use` put the chunked loss on this model (or the model peft wraps)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    head = base.get_output_embeddings()
+    return head is not None and head.__dict__.get("forward") is _passthrough
