@@ -79,6 +79,7 @@ class Architecture:
     experts: MoeParts = field(default_factory=MoeParts)  # routed expert stacks (3-D parameters), routers, shared experts
     attention: Attention = field(default_factory=Attention)
     declared_experts: int = 0             # routed experts per layer, as config.json declares them
+    output_plain: bool = True             # the output layer is a plain nn.Linear (what a chunked loss reads)
 
     @property
     def linear_params(self) -> int:
@@ -198,7 +199,8 @@ def describe(model) -> Architecture:
     layers = getattr(model.config.get_text_config(), "num_hidden_layers", 0) or 0
     return Architecture(type(model).__name__, model.config.model_type, {k: Linear(k, tuple(v)) for k, v in by_leaf.items()},
                         total, layers, qk_norm, tied, out_name.rsplit(".", 1)[-1] if out_name else None, params,
-                        moe.fused_experts(model), _attention(model, params), _declared_experts(model.config.get_text_config()))
+                        moe.fused_experts(model), _attention(model, params), _declared_experts(model.config.get_text_config()),
+                        type(out) is nn.Linear)
 
 
 def _declared_experts(c) -> int:

@@ -185,8 +185,10 @@ class TrainingSection(Section):
         "steps. auto: on with a CUDA GPU and liger-kernel installed."
     )
     cross_entropy: Literal["auto", "plain", "chunked"] = Field(
-        "auto", description="chunked never materialises the vocab x tokens logits (Liger's fused linear cross-entropy, "
-        "CUDA only); with a 152k vocabulary it is the largest single saving. auto: chunked on GPU, plain on CPU."
+        "auto", description="chunked never materialises the vocab x tokens logits: Liger's fused linear cross-entropy on "
+        "a CUDA GPU for the families Liger has it for, else the project's own (stages/train/chunked_loss.py, any device; "
+        "not for a forward that soft-caps its logits, Gemma-2/3 on CPU). With a 152k vocabulary it is the largest single "
+        "saving. plain: the stock loss over the whole logits. auto: chunked wherever one of the two covers the model."
     )
     optim: Literal["auto", "adamw_torch", "adamw_torch_fused", "paged_adamw_8bit", "adamw_8bit", "sgd"] = Field(
         "auto", description="Optimizer (TrainingArguments.optim). 8-bit states take 2 bytes per adapter parameter instead of 8. "

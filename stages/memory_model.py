@@ -177,8 +177,8 @@ def estimate(cfg: RunConfig, s: Shapes, longest: int, on_gpu: bool, coef: dict |
                   the dropout copy and mask of every adapted module's input, and for QLoRA
                   the largest weight dequantized for its input gradient
                   loss: the final hidden states and, chunked (Liger's fused linear
-                  cross-entropy), one chunk of logits; plain, the whole tokens x vocab
-                  logits in 16 and 32 bits
+                  cross-entropy, or stages/train/chunked_loss.py on half its chunk),
+                  one chunk of logits; plain, the whole tokens x vocab logits in 16 and 32 bits
       mask        the 4-D padding mask of a padded micro-batch (batch x seq x seq)
       allocator   the slack a capped run cannot give back (partly used pages, the small-block
                   pool); what an uncapped run reserves beyond that is returned under a cap
@@ -221,7 +221,7 @@ class _Step:
     seq: int
     targets: Targets
     matrices: list[int]     # the numel of every lora_A and lora_B
-    chunked: bool           # Liger's chunked cross-entropy, not the whole logits
+    chunked: bool           # a chunked cross-entropy (Liger's or the project's), not the whole logits
 
     @property
     def tokens(self) -> int:
@@ -369,7 +369,9 @@ def _architecture_tensors(step: _Step) -> float:
 
 def _loss(step: _Step) -> float:
     s, act, tokens = step.s, step.act, step.tokens
-    if step.chunked:  # Liger: chunks of next_pow2(tokens / ceil(vocab / hidden)) rows of logits, computed and consumed in turn
+    # Liger: chunks of next_pow2(tokens / ceil(vocab / hidden)) rows of logits, computed and consumed in turn; the
+    # project's loss takes half that chunk at up to 6 bytes a logit (chunked_loss.chunk_rows), under this count
+    if step.chunked:
         chunk = 1 << max(0, math.ceil(math.log2(math.ceil(tokens / math.ceil(s.vocab / s.hidden)))))
         return LOSS_H * tokens * s.hidden * act + 2 * min(chunk, tokens) * s.vocab * act
     return LOSS_H * tokens * s.hidden * act + step.k["logits"] * tokens * s.vocab

@@ -208,6 +208,8 @@ def own_loss_refusal(cfg: RunConfig) -> str | None:
     cls = getattr(transformers, arch.model_class, None) if arch else None
     if cls is None:
         return "the model's class is not one transformers ships"
+    if not arch.output_plain:
+        return f"{arch.model_class}'s output layer is not a plain linear layer"
     targets = cfg.lora.target_modules
     if arch.output_layer and targets != "all-linear" and arch.output_layer in targets:
         return f"lora.target_modules adapts the output layer ({arch.output_layer})"
@@ -269,7 +271,8 @@ def use_liger(model, *, loss: bool, kernels: bool, forced: bool = True) -> None:
     apply = MODEL_TYPE_TO_APPLY_LIGER_FN.get(model.config.model_type)
     if apply is None:
         if not forced:  # `auto`: the stock modules and loss, and the probe measures what that costs
-            print(f"train: liger-kernel has no kernels for model_type {model.config.model_type!r}: stock modules and loss")
+            print(f"train: liger-kernel has no kernels for model_type {model.config.model_type!r}: stock modules"
+                  + (" and loss" if loss else ""))
             return
         raise ConfigError(
             f"liger-kernel has no kernels for model_type {model.config.model_type!r}; "

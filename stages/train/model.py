@@ -39,6 +39,8 @@ def build_model(cfg: RunConfig, longest: int | None = None, settings: kernels.Se
                       forced=cfg.training.cross_entropy == "chunked" or cfg.training.fused_kernels == "on")
     if s.cross_entropy == "chunked-torch":
         chunked_loss.use(model)
+        print("train: loss: the project's chunked cross-entropy (no tokens x vocab logits; Liger's fused one is not "
+              "there for this family or machine)")
     expert_lora.use_nf4_stacks(model)   # Liger binds its fused MoE forward to the experts, which reads 16-bit stacks only
     if sharding.active(cfg) and s.cross_entropy == "chunked":
         sharding.gather_lm_head_for_fused_loss(model)
