@@ -23,6 +23,7 @@ import re
 import torch
 from torch import nn
 
+MIN_CHUNK_LOGITS = 1 << 22   # 16 MB of fp32 logits
 # what a family's forward may do between `logits = self.lm_head(...)` and `self.loss_function(...)`
 _LINEAR = re.compile(r"(logits = logits [*/] [\w.]+|loss = None|if labels is not None:)\s*(#.*)?")
 
@@ -46,9 +47,11 @@ def unsupported(model_class: type) -> str | None:
 def chunk_rows(rows: int, vocab: int, hidden: int) -> int:
     """Half Liger's chunk (the rows whose logits are about as many elements as the hidden states of all rows): a chunk
     here holds its logits in 16 bits, then 32, then its gradient in 16 (6 bytes a logit against the 4 that
-    stages/memory_model.py counts per logit of Liger's chunk)."""
+    stages/memory_model.py counts per logit of Liger's chunk), and at least MIN_CHUNK_LOGITS logits."""
     liger = 1 << max(0, math.ceil(math.log2(max(1, math.ceil(rows / math.ceil(vocab / hidden))))))
-    return max(1, liger // 2)
+    # never under MIN_CHUNK_LOGITS logits: a small hidden size over a big vocabulary (the tests' tiny models on real
+    # tokenizers) would otherwise loop a row at a time
+    return max(1, liger // 2, MIN_CHUNK_LOGITS // vocab)
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
