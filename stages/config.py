@@ -187,7 +187,7 @@ class TrainingSection(Section):
     cross_entropy: Literal["auto", "plain", "chunked"] = Field(
         "auto", description="chunked never materialises the vocab x tokens logits: Liger's fused linear cross-entropy on "
         "a CUDA GPU for the families Liger has it for, else the project's own (stages/train/chunked_loss.py, any device; "
-        "not for a forward that soft-caps its logits, Gemma-2/3 on CPU). With a 152k vocabulary it is the largest single "
+        "not for a forward that soft-caps its logits, Gemma-2 on CPU). With a 152k vocabulary it is the largest single "
         "saving. plain: the stock loss over the whole logits. auto: chunked wherever one of the two covers the model."
     )
     optim: Literal["auto", "adamw_torch", "adamw_torch_fused", "paged_adamw_8bit", "adamw_8bit", "sgd"] = Field(

@@ -61,10 +61,17 @@ def test_a_micro_batch_without_loss_tokens_gives_what_the_stock_loss_gives():
 
 
 def test_a_forward_that_soft_caps_its_logits_keeps_the_stock_loss(tmp_path):
-    from transformers import Gemma2ForCausalLM, OlmoeForCausalLM
+    from transformers import BambaForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM, OlmoeForCausalLM
 
     assert "final_logit_softcapping" in chunked_loss.unsupported(Gemma2ForCausalLM)
     assert chunked_loss.unsupported(OlmoeForCausalLM) is None
+    # Gemma-3's soft-cap is off by default: its block is not run, and only a config that sets it is refused
+    gemma3 = AutoConfig.for_model("gemma3_text")
+    assert chunked_loss.unsupported(Gemma3ForCausalLM, gemma3) is None
+    gemma3.final_logit_softcapping = 30.0
+    assert "final_logit_softcapping" in chunked_loss.unsupported(Gemma3ForCausalLM, gemma3)
+    # Bamba adds a z-loss of the logits after the loss: with the hidden states in their place it would be another loss
+    assert "after the loss" in chunked_loss.unsupported(BambaForCausalLM)
     torch.manual_seed(0)
     gemma = AutoModelForCausalLM.from_config(AutoConfig.for_model("gemma2", **SMALL, head_dim=8))
     model_dir = tmp_path / "gemma2"

@@ -24,23 +24,50 @@ import torch
 from torch import nn
 
 MIN_CHUNK_LOGITS = 1 << 22   # 16 MB of fp32 logits
-# what a family's forward may do between `logits = self.lm_head(...)` and `self.loss_function(...)`
-_LINEAR = re.compile(r"(logits = logits [*/] [\w.]+|loss = None|if labels is not None:)\s*(#.*)?")
+# The lines of a family's forward the hidden states may meet in place of the logits: what is linear in them.
+_SCALE = r"( [*/] [\w.]+)?"
+# the head's own line: the hidden states (their last positions, cast to the head's dtype), a scale, a cast after
+_HEAD = re.compile(r"(\w*logits) = self\.{head}\(hidden_states(\[:, slice_indices, :\])?"
+                   r"(\.to\((dtype=)?self\.{head}\.weight\.dtype\))?\)(\.float\(\)|\.contiguous\(\))?" + _SCALE)
+# between the head and self.loss_function(...)
+_BETWEEN = re.compile(r"(logits = logits [*/] [\w.]+|loss = None|if labels is not None:)")
+# after it: the logits only handed on, to the loss's arguments or the returned output
+_AFTER = re.compile(r"logits=\w*logits,.*|\w*logits,|output = \(logits,\) \+ .*|return \w+\(loss=loss, logits=logits, .*\)")
+_IF_SET = re.compile(r"if self\.config\.(\w+) is not None:")
 
 
-def unsupported(model_class: type) -> str | None:
-    """Why this CausalLM class's forward cannot take the chunked loss, or None where it can."""
+def unsupported(model_class: type, config=None, head: str = "lm_head") -> str | None:
+    """Why this CausalLM class's forward cannot take the chunked loss, or None where it can: everything the forward does
+    with the logits must be linear in the hidden states. `config` (the model's) lets a block under
+    `if self.config.<key> is not None:` pass where the key is None (Gemma-3's soft-cap, off by default); `head` is the
+    output layer's attribute name."""
+    name = model_class.__name__
     try:
         source = inspect.getsource(model_class.forward)
-    except (OSError, TypeError):
-        return f"the source of {model_class.__name__}.forward cannot be read"
-    head, loss = source.find("self.lm_head("), source.find("self.loss_function(")
-    if head < 0 or loss < head:
-        return f"{model_class.__name__}.forward does not compute logits = self.lm_head(...) and then self.loss_function(...)"
-    for line in source[head:loss].splitlines()[1:-1]:
-        line = line.strip()
-        if line and not line.startswith("#") and not _LINEAR.fullmatch(line):
-            return f"{model_class.__name__}.forward changes the logits before the loss ({line})"
+    except (OSError, TypeError, AttributeError):
+        return f"the source of {name}.forward cannot be read"
+    at, loss = source.find(f"self.{head}("), source.find("self.loss_function(")
+    if at < 0 or loss < at:
+        return f"{name}.forward does not compute logits = self.{head}(...) and then self.loss_function(...)"
+    lines = source[source.rfind("\n", 0, at) + 1:loss].splitlines()   # from the head's whole line
+    first = lines[0].strip()
+    if not re.compile(_HEAD.pattern.format(head=head)).fullmatch(first):
+        return f"{name}.forward computes its logits as `{first}`"
+    skip = None   # the indentation of an `if self.config.<key> is not None:` whose key is None: its block is not run
+    for raw in lines[1:-1]:
+        line, indent = raw.split("#")[0].strip(), len(raw) - len(raw.lstrip())
+        if not line or (skip is not None and indent > skip):
+            continue
+        skip = None
+        unset = _IF_SET.fullmatch(line)
+        if unset and config is not None and getattr(config, unset.group(1), None) is None:
+            skip = indent
+        elif not _BETWEEN.fullmatch(line):
+            return f"{name}.forward changes the logits before the loss ({line})"
+    for raw in source[loss:].splitlines()[1:]:
+        line = raw.split("#")[0].strip()
+        if re.search(r"\blogits\b", line) and not _AFTER.fullmatch(line):
+            return f"{name}.forward uses the logits after the loss ({line})"
     return None
 
 
@@ -59,8 +86,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
     the forward (where a gradient is wanted) and scaled by the incoming one in backward."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets):
-        want_h, want_w, want_b = ctx.needs_input_grad[:3]   # forward runs without grad mode: asked of ctx
+    def forward(ctx, hidden, weight, bias, targets, grad_mode: bool):
+        # forward runs without grad mode: whether the caller's had it comes in `grad_mode`, what wants one from ctx
+        want_h, want_w, want_b = (grad_mode and wanted for wanted in ctx.needs_input_grad[:3])
         w = weight.to(hidden.dtype)
         b = bias.to(hidden.dtype) if bias is not None else None
         step = chunk_rows(hidden.shape[0], weight.shape[0], weight.shape[1])
@@ -91,9 +119,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         grad_h, grad_w, grad_b = ctx.saved_tensors
-        return (grad_h * grad_out.to(grad_h.dtype) if grad_h is not None else None,
+        # scaled in fp32: grad_out (1 / the loss tokens) rounded to 16 bits would bias every gradient
+        return ((grad_h.float() * grad_out).to(grad_h.dtype) if grad_h is not None else None,
                 (grad_w * grad_out).to(ctx.dtypes[0]) if grad_w is not None else None,
-                (grad_b * grad_out).to(ctx.dtypes[1]) if grad_b is not None else None, None)
+                (grad_b * grad_out).to(ctx.dtypes[1]) if grad_b is not None else None, None, None)
 
 
 def _passthrough(hidden: torch.Tensor) -> torch.Tensor:
@@ -116,7 +145,8 @@ def use(model: nn.Module) -> None:
         rows = logits.reshape(-1, logits.shape[-1])
         targets = shift_labels.reshape(-1).to(rows.device)
         kept = (targets != ignore_index).nonzero().squeeze(1)   # only loss-carrying rows meet the output layer
-        total = _LinearCrossEntropy.apply(rows.index_select(0, kept), head.weight, head.bias, targets.index_select(0, kept))
+        total = _LinearCrossEntropy.apply(rows.index_select(0, kept), head.weight, head.bias, targets.index_select(0, kept),
+                                          torch.is_grad_enabled())
         if num_items_in_batch is None:   # the mean over loss-carrying tokens (NaN where there are none, as the stock loss)
             return total / kept.numel()
         return total / (num_items_in_batch.to(total.device) if torch.is_tensor(num_items_in_batch) else num_items_in_batch)

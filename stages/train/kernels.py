@@ -213,7 +213,13 @@ def own_loss_refusal(cfg: RunConfig) -> str | None:
     targets = cfg.lora.target_modules
     if arch.output_layer and targets != "all-linear" and arch.output_layer in targets:
         return f"lora.target_modules adapts the output layer ({arch.output_layer})"
-    return chunked_loss.unsupported(cls)
+    try:
+        from stages.modeldir import resolve_model_dir
+
+        config = transformers.AutoConfig.from_pretrained(resolve_model_dir(cfg.model.name_or_path))
+    except Exception:  # noqa: BLE001 - without it a block under `if self.config.<key> is not None:` is refused
+        config = None
+    return chunked_loss.unsupported(cls, config, arch.output_layer or "lm_head")
 
 
 def model_type(cfg: RunConfig) -> str | None:
