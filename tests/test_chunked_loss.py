@@ -35,6 +35,8 @@ def test_the_chunked_loss_and_its_gradients_are_the_stock_ones(family, monkeypat
     assert chunked_loss.unsupported(type(stock)) is None and chunked_loss.installed(chunked)
     monkeypatch.setattr(chunked_loss, "chunk_rows", lambda rows, vocab, hidden: 7)   # chunks that do not divide the rows
     ids = torch.randint(0, SMALL["vocab_size"], (2, 40))
+    with torch.no_grad():   # without labels the forward returns the logits, as before
+        torch.testing.assert_close(chunked(input_ids=ids).logits, stock(input_ids=ids).logits)
     labels = ids.clone()
     labels[0, :15] = -100   # a masked prompt: those rows never meet the output layer
     for extra in ({}, {"num_items_in_batch": torch.tensor(50)}):   # the mean, and the Trainer's sum over a step's tokens

@@ -16,9 +16,11 @@ slice) is not linear in the hidden states: `unsupported` says so and the stock l
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 import re
+import threading
 
 import torch
 from torch import nn
@@ -126,18 +128,30 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 (grad_b * grad_out).to(ctx.dtypes[1]) if grad_b is not None else None, None, None)
 
 
-def _passthrough(hidden: torch.Tensor) -> torch.Tensor:
-    return hidden
-
-
 def use(model: nn.Module) -> None:
-    """The chunked loss on this CausalLM instance (before peft wraps it): its output layer hands the hidden states to
-    its `loss_function`, which computes ForCausalLMLoss's value (transformers.loss.loss_utils) from them."""
+    """The chunked loss on this CausalLM instance (before peft wraps it): in a forward given labels its output layer
+    hands the hidden states to its `loss_function`, which computes ForCausalLMLoss's value (transformers.loss.loss_utils)
+    from them; a forward without labels returns the logits as before."""
     head = model.get_output_embeddings()
     if type(head) is not nn.Linear or not head.weight.is_floating_point():
         raise ValueError(f"the chunked loss needs a plain nn.Linear output layer with a 16- or 32-bit weight, not "
                          f"{type(head).__name__}; set training.cross_entropy: plain")
-    head.forward = _passthrough
+    linear, family_forward = head.forward, model.forward
+    passing = threading.local()   # set for the length of one forward given labels
+
+    def head_forward(hidden: torch.Tensor) -> torch.Tensor:
+        return hidden if getattr(passing, "on", False) else linear(hidden)
+
+    @functools.wraps(family_forward)
+    def forward(*args, **kwargs):
+        passing.on = kwargs.get("labels") is not None
+        try:
+            return family_forward(*args, **kwargs)
+        finally:
+            passing.on = False
+
+    head.forward, model.forward = head_forward, forward
+    head.chunked_loss = True
 
     def loss_function(logits, labels, vocab_size=None, num_items_in_batch=None, ignore_index=-100, shift_labels=None, **_):
         # `logits` are the hidden states here (the output layer passed them through), under the stock loss's name
@@ -159,4 +173,4 @@ def installed(model: nn.Module) -> bool:
     """Whether `use` put the chunked loss on this model (or the model peft wraps)."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     head = base.get_output_embeddings()
-    return head is not None and head.__dict__.get("forward") is _passthrough
+    return head is not None and getattr(head, "chunked_loss", False)
