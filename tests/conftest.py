@@ -77,6 +77,23 @@ def killed_then_rerun(cfg_path: Path, out: Path, checkpoint: int) -> dict:
     return json.loads((out / "train_result.json").read_text())
 
 
+def killed_rerun_against_straight(cfg_path: Path, tmp: Path, checkpoint: int) -> tuple[dict, dict]:
+    """The train stage on `cfg_path` run straight through (in this process), then killed_then_rerun: asserts both
+    adapters are the same bit for bit; returns the rerun's train_result.json and the adapter's tensors."""
+    import torch
+    from safetensors.torch import load_file
+
+    from stages.config import load_config
+    from stages.train import stage
+
+    stage.run(load_config(cfg_path), tmp / "straight")
+    result = killed_then_rerun(cfg_path, tmp / "crashed", checkpoint)
+    a = load_file(tmp / "straight" / "adapter" / "adapter_model.safetensors")
+    b = load_file(tmp / "crashed" / "adapter" / "adapter_model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    return result, a
+
+
 _PREFECT_TEMPLATE: list[Path] = []
 
 
