@@ -68,13 +68,20 @@ def resolve_auto(cfg: RunConfig, *, on_gpu: bool, liger: bool = True, bnb: bool 
     }
 
 
-def _attention(cfg: RunConfig):
+def _architecture(cfg: RunConfig):
+    """The base model's Architecture from its config.json, None where it cannot be read."""
     from stages import architecture
 
     try:
-        arch = architecture.of_model(cfg.model)
+        return architecture.of_model(cfg.model)
     except Exception:  # noqa: BLE001 - a model that cannot be read is reported by the model checks, with the fix
-        arch = None
+        return None
+
+
+def _attention(cfg: RunConfig):
+    from stages import architecture
+
+    arch = _architecture(cfg)
     return arch.attention if arch else architecture.Attention()
 
 
@@ -196,15 +203,11 @@ def own_loss_refusal(cfg: RunConfig) -> str | None:
     """Why stages/train/chunked_loss.py cannot compute this run's loss, or None where it can."""
     import transformers
 
-    from stages import architecture
     from stages.train import chunked_loss
 
     if cfg.training.distributed == "fsdp":
         return "distributed: fsdp shards the output layer it reads"
-    try:
-        arch = architecture.of_model(cfg.model)
-    except Exception:  # noqa: BLE001 - a model that cannot be read is reported by the model checks, with the fix
-        arch = None
+    arch = _architecture(cfg)
     cls = getattr(transformers, arch.model_class, None) if arch else None
     if cls is None:
         return "the model's class is not one transformers ships"
