@@ -161,10 +161,12 @@ class TrainingSection(Section):
                               "adapter and continues the pipeline, the others only train (set per machine, e.g. --set).")
     main_process_ip: str | None = Field(None, description="Address of machine 0 (the rendezvous); needed with num_machines > 1.")
     main_process_port: int = Field(29500, gt=0, lt=65536, description="Rendezvous port on machine 0.")
-    fit: Literal["memory", "speed"] = Field(
-        "memory", description="memory: every layer checkpointed, checkpointed activations offloaded to CPU on a GPU "
+    fit: Literal["auto", "memory", "speed"] = Field(
+        "auto", description="memory: every layer checkpointed, checkpointed activations offloaded to CPU on a GPU "
         "(smallest footprint). speed: measured at start, as few layers checkpointed as fit preflight.gpu_memory_gib "
-        "less the margin (fastest that fits); the choice and its measurements go to train/fit.json."
+        "less the margin (fastest that fits); the choice and its measurements go to train/fit.json. auto: speed on a "
+        "GPU where its estimate with every layer checkpointed fits the card, else memory (the preflight report and the "
+        "train log say which and why); memory on CPU and with distributed: fsdp."
     )
     offload_activations: Switch = Field(
         "auto", description="Keep tensors saved for backward (the checkpointed layers' inputs) in pinned CPU memory, "
@@ -179,6 +181,12 @@ class TrainingSection(Section):
         "tokens x intermediate activations stop growing with context, at the cost of one more MLP forward. "
         "auto: on when the widest micro-batch of the data holds >= 32768 tokens (packed: max_tokens_per_batch; padded: "
         "micro-batch x the longest sample after data.long_sample_policy)."
+    )
+    fused_lora: Switch = Field(
+        "auto", description="Each adapted linear layer's forward and backward in one autograd function "
+        "(stages/train/fused_lora.py): the adapter's product accumulated into the base matmul's output instead of four "
+        "more passes over it; the same maths. auto: on wherever the adapter is plain LoRA (not DoRA) and distributed "
+        "is not fsdp."
     )
     fused_kernels: Switch = Field(
         "auto", description="Liger Triton kernels for RMSNorm, SwiGLU and RoPE (CUDA): less activation memory, faster "
@@ -277,6 +285,14 @@ class TrainingSection(Section):
     # preflight and the train stage on their own copies, never read from YAML.
     _card_budget: int | None = PrivateAttr(None)
     _card_reason: str = PrivateAttr("")
+    # What fit: auto became on this card and why (stages/train/widen.py), set the same way.
+    _card_fit: str | None = PrivateAttr(None)
+    _fit_reason: str = PrivateAttr("")
+
+    @property
+    def planned_fit(self) -> str:
+        """memory or speed: the config's fit, or what fit: auto was decided to be on this card (memory where undecided)."""
+        return self.fit if self.fit != "auto" else self._card_fit or "memory"
 
     @property
     def world_size(self) -> int:

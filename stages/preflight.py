@@ -617,6 +617,7 @@ def render(r: PreflightResult, cfg: RunConfig) -> str:
         *(["", "Data: " + "; ".join(r.data_notes) + "."] if r.data_notes else []),
         "",
         f"Steps: {_plan_line(r.steps)}.",
+        *(["", f"Plan: {cfg.training._fit_reason}."] if cfg.training.fit == "auto" and cfg.training._fit_reason else []),
         "",
         "| item | GiB |",
         "|---|---|",

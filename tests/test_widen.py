@@ -62,7 +62,7 @@ def test_nothing_to_widen():
         (cfg, False),                                  # no CUDA: no launches to save
     ]
     for c, on_gpu in kept:
-        assert widen.on_card(c, s, 2048, 1000.0, on_gpu) is c
+        assert widen.budget_on_card(c, s, 2048, 1000.0, on_gpu) is c
     assert widen.in_training(cfg, 2048) is cfg  # this machine has no CUDA
 
 
@@ -91,7 +91,32 @@ def test_training_goes_no_wider_than_its_preflight_measured():
         assert widen.no_wider_than_measured(cfg, wide, record) is wide
     # several processes widen only to a budget the config states: each card would otherwise plan its own micro-batches
     ddp = config(launcher="accelerate", num_processes=2)
-    assert widen.on_card(ddp, shapes(ddp), 2048, 1000.0, True) is ddp
+    assert widen.budget_on_card(ddp, shapes(ddp), 2048, 1000.0, True) is ddp
     stated = ddp.model_copy(update={"preflight": ddp.preflight.model_copy(update={"gpu_memory_gib": 80.0})})
     assert batches.token_budget(widen.on_card(stated, shapes(stated), 2048, 1000.0, True)) == 16384
     assert widen.on_card(wide, shapes(cfg), 2048, 1000.0, True) is wide  # chosen once
+
+
+def test_fit_auto_is_the_fastest_plan_the_card_holds():
+    from stages.train.kernels import resolve_auto
+
+    cfg = config()
+    assert cfg.training.fit == "auto" and cfg.training.planned_fit == "memory"   # undecided: the smallest footprint
+    s = shapes(cfg)
+    speed_need = estimate(widen._with_fit(cfg, "speed", ""), s, 2048, on_gpu=True).total_gib
+    memory_need = estimate(cfg, s, 2048, on_gpu=True).total_gib
+    assert memory_need < speed_need   # offloads and 8-bit states: the memory plan needs less
+    roomy = widen.on_card(cfg, s, 2048, usable_gib=speed_need + 0.01, on_gpu=True)
+    assert roomy.training.planned_fit == "speed" and "fit: auto is speed on this card" in roomy.training._fit_reason
+    settings = resolve_auto(roomy, on_gpu=True)
+    assert not settings["offload_activations"] and not settings["offload_embeddings"] and settings["optim"] == "adamw_torch_fused"
+    assert roomy.fingerprint() == cfg.fingerprint()   # decided for the card, the YAML's fields unchanged
+    tight = widen.on_card(cfg, s, 2048, usable_gib=(speed_need + memory_need) / 2, on_gpu=True)
+    assert tight.training.planned_fit == "memory" and f"would need {speed_need:.2f} GiB" in tight.training._fit_reason
+    assert resolve_auto(tight, on_gpu=True)["offload_activations"]
+    assert widen.on_card(cfg, s, 2048, 1000.0, on_gpu=False).training.planned_fit == "memory"
+    fsdp = config(launcher="accelerate", distributed="fsdp", num_processes=2)
+    assert widen.on_card(fsdp, s, 2048, 1000.0, on_gpu=True).training.planned_fit == "memory"
+    for explicit in ("memory", "speed"):   # what the config says stays
+        c = config(fit=explicit)
+        assert widen.on_card(c, s, 2048, 0.001 if explicit == "speed" else 1000.0, True).training.planned_fit == explicit

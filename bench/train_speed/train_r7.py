@@ -115,7 +115,7 @@ def stage_config(model_dir: Path, qlora: bool, **training) -> RunConfig:
         "lora": {"r": 64, "lora_alpha": 32, "target_modules": QVO, "lora_dropout": 0.05},
         "quantization": {"load_in_4bit": qlora},
         "training": {"per_device_train_batch_size": 2, "learning_rate": 1e-4, "max_steps": 5, "save_steps": 10_000,
-                     "logging_steps": 1000, **training},
+                     "logging_steps": 1000, "fit": "memory", **training},
         "preflight": {"gpu_memory_gib": 24},
         "handoff": {"model_name": "bench"},
         "artifacts_dir": "/tmp/bench-artifacts",
@@ -136,12 +136,27 @@ class StepTimer(TrainerCallback):
         self.times.append(time.perf_counter() - self.t)
 
 
+class RowsPacked(batches.PackedCollator):
+    """A padded micro-batch's rows laid end to end, as the stage's packed plan would lay them (this bench hands the
+    Trainer rows, not the plan's packed items)."""
+
+    def __call__(self, batch: list[dict]) -> dict:
+        return self._counted(batch)
+
+
+def stage_collator(cfg: RunConfig):
+    """The collation the stage's settings ask for: packed with varlen attention where it packs (the default on a
+    GPU: its varlen attention refuses a padded batch), else padded."""
+    s = kernels.settings(cfg)
+    return RowsPacked(varlen=s.packed_attention == "varlen") if s.packing else batches.Collator(0)
+
+
 def stage_run(cfg: RunConfig, model, bs: int, seq: int, steps: int = 5, **overrides) -> dict:
     gen = torch.Generator().manual_seed(0)
     rows = [{"input_ids": (ids := torch.randint(3, VOCAB, (seq,), generator=gen).tolist()), "labels": ids} for _ in range(bs * steps)]
     clean()
     timer = StepTimer()
-    trainer = hf_trainer.make_trainer(cfg, model, rows, batches.Collator(0), Path("/tmp/bench-train"), callbacks=[timer],
+    trainer = hf_trainer.make_trainer(cfg, model, rows, stage_collator(cfg), Path("/tmp/bench-train"), callbacks=[timer],
                                  per_device_train_batch_size=bs, max_steps=steps, save_strategy="no", disable_tqdm=True,
                                  logging_first_step=False, **overrides)
     try:
@@ -254,7 +269,7 @@ def main() -> None:
         gen = torch.Generator().manual_seed(1)
         rows = [{"input_ids": (ids := torch.randint(3, VOCAB, (4096,), generator=gen).tolist()), "labels": ids} for _ in range(2)]
         torch.cuda.set_per_process_memory_fraction(24 / total)
-        fit = train.choose_fit(cs, model, rows, batches.Collator(0), Path("/tmp/bench-train"))
+        fit = train.choose_fit(cs, model, rows, stage_collator(cs), Path("/tmp/bench-train"))
         emit(out, {"name": "stage (fit speed, 24 GiB budget)", "mode": "qlora", "seq": 4096, "micro_batch": 2, "baseline": False,
                    "fit": "speed", "checkpointed_layers": fit.checkpointed_layers, "fit_reason": fit.reason, "fit_measured": fit.measured,
                    **stage_run(cs, model, 2, 4096)})

@@ -51,10 +51,12 @@ def choose(cfg: RunConfig, model, worst_batch: dict, trainable_params: int, opti
 
     n, total = checkpointed_layers(model)
     on_host = isinstance(model.get_input_embeddings(), HostEmbedding)  # not when tied to lm_head
-    choice = FitChoice(cfg.training.fit, n, total, offload_activations, on_host)
-    if cfg.training.fit == "memory" or not cfg.training.gradient_checkpointing or not torch.cuda.is_available() or total == 0:
-        choice.reason = ("fit: memory: every layer checkpointed" + (", saved activations offloaded to CPU" if choice.offload_activations else "")
-                         if cfg.training.fit == "memory" else
+    fit = cfg.training.planned_fit
+    choice = FitChoice(fit, n, total, offload_activations, on_host)
+    if fit == "memory" or not cfg.training.gradient_checkpointing or not torch.cuda.is_available() or total == 0:
+        choice.reason = (_plan_reason(cfg) + "fit: memory: every layer checkpointed"
+                         + (", saved activations offloaded to CPU" if choice.offload_activations else "")
+                         if fit == "memory" else
                          "gradient_checkpointing is off: nothing to choose" if not cfg.training.gradient_checkpointing else
                          "no CUDA device: every layer checkpointed" if not torch.cuda.is_available() else
                          "the model has no checkpointable decoder layers")
@@ -97,7 +99,7 @@ def _choose_speed(cfg: RunConfig, model, worst_batch: dict, trainable_params: in
     if full > usable:
         checkpoint_only(model, total)
         choice.checkpointed_layers = total
-        choice.reason = f"even with every layer checkpointed the worst micro-batch peaks at {full:.2f} GiB > {usable:.2f} GiB usable"
+        choice.reason = _plan_reason(cfg) + f"even with every layer checkpointed the worst micro-batch peaks at {full:.2f} GiB > {usable:.2f} GiB usable"
         return choice
     per_layer = max((fewer - full) / k0, 1e-3) if math.isfinite(fewer) else math.inf
     # Memory is not linear in the layers kept (the peak moves from a recompute to the end of
@@ -119,7 +121,12 @@ def _choose_speed(cfg: RunConfig, model, worst_batch: dict, trainable_params: in
         per_layer = (at_choice - full) / keep
     checkpoint_only(model, total - keep)
     choice.checkpointed_layers, choice.per_layer_gib = total - keep, round(per_layer, 4)
-    choice.reason = (f"fit: speed: {keep} of {total} layers keep their activations, measured peak {at_choice:.2f} GiB "
+    choice.reason = (_plan_reason(cfg) + f"fit: speed: {keep} of {total} layers keep their activations, measured peak {at_choice:.2f} GiB "
                      f"({per_layer:.2f} GiB per layer kept; every layer checkpointed: {full:.2f} GiB); "
                      f"usable {usable:.2f} GiB of {budget:.1f}")
     return choice
+
+
+def _plan_reason(cfg: RunConfig) -> str:
+    """Why fit: auto became what it is on this card (stages/train/widen.py), as a prefix; empty for an explicit fit."""
+    return f"{cfg.training._fit_reason}; " if cfg.training.fit == "auto" and cfg.training._fit_reason else ""

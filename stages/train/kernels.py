@@ -33,7 +33,7 @@ def resolve_auto(cfg: RunConfig, *, on_gpu: bool, liger: bool = True, bnb: bool 
             and training know it); None assumes data.max_length.
     """
     t = cfg.training
-    memory_first = on_gpu and t.fit == "memory"
+    memory_first = on_gpu and t.planned_fit == "memory"
     # Packing is on where it was measured faster: CPU (bench/packing_speed/results/packing_cpu.json, 1.92x plain peft) and a GPU
     # with torch's varlen flash kernel (bench/packing_speed/results/, R7 (docs/benchmarks.md) on the H200: 3.2-3.7x peft + Liger, less memory).
     packed = t.packing == "on" or (t.packing == "auto" and (not on_gpu or varlen))
@@ -56,6 +56,9 @@ def resolve_auto(cfg: RunConfig, *, on_gpu: bool, liger: bool = True, bnb: bool 
         else "varlen" if exact else "flex_attention" if on_gpu and _attention(cfg).flex else "mask",
         "widest_micro_batch": widest,
         "fused_kernels": t.fused_kernels == "on" or (t.fused_kernels == "auto" and on_gpu and liger),
+        # FSDP2 gathers a layer's weights around its own forward and backward hooks, which this function's backward
+        # reads past
+        "fused_lora": t.fused_lora == "on" or (t.fused_lora == "auto" and t.distributed != "fsdp"),
         "offload_activations": t.offload_activations == "on"
         or (t.offload_activations == "auto" and memory_first and t.gradient_checkpointing),
         # FSDP shards the table across processes instead (a host table is no parameter FSDP can shard)
@@ -100,6 +103,7 @@ class Settings:
     packed_attention: str | None   # varlen, flex_attention or mask when packing
     widest_micro_batch: int
     fused_kernels: bool
+    fused_lora: bool
     offload_activations: bool
     offload_embeddings: bool
     tiled_mlp: bool
@@ -116,6 +120,9 @@ _NEEDS = {"fused_kernels": "a CUDA GPU and liger-kernel (`pip install -e .[gpu]`
 def _check_forced(cfg: RunConfig, on_gpu: bool, varlen: bool) -> None:
     """A setting forced to what this machine cannot do is one error naming it and the fix."""
     t = cfg.training
+    if t.fused_lora == "on" and t.distributed == "fsdp":
+        raise ConfigError("training.fused_lora: on reads each layer's base weight in its backward, which FSDP2 has resharded "
+                          "by then; set it to auto or off with distributed: fsdp")
     for key, needs in _NEEDS.items():
         if getattr(t, key) == "on" and not (on_gpu and (_has_liger() or "liger" not in needs)):
             raise ConfigError(f"training.{key}: on needs {needs}; set it to auto or off")

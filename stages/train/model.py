@@ -7,7 +7,7 @@ from __future__ import annotations
 from stages import architecture, expert_lora, moe
 from stages.config import RunConfig
 from stages.modelio import device, load_base
-from stages.train import chunked_loss, kernels, sharding
+from stages.train import chunked_loss, fused_lora, kernels, sharding
 from stages.train.attention import avoid_cudnn_sdpa, use_packed_attention
 from stages.train.offload import embeddings_to_host
 
@@ -63,6 +63,8 @@ def build_model(cfg: RunConfig, longest: int | None = None, settings: kernels.Se
     check_only_lora_trains(model)
     check_adapted(model, targets, cfg.lora.r)
     keep_adapter_inputs_16bit(model)
+    if s.fused_lora and (n := fused_lora.use(model)):
+        print(f"train: {n} adapted linear layers compute the adapter inside the base matmul (stages/train/fused_lora.py)")
     return model
 
 

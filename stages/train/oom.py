@@ -36,7 +36,7 @@ def next_attempt(cfg: RunConfig, report: dict, retried: int, packed: bool, longe
         TrainOOMError: no retry is left, or no smaller micro-batch is possible; it names the batch and the post-mortem.
     """
     t = cfg.training
-    if t.fit == "speed":
+    if t.planned_fit == "speed":
         return (cfg.model_copy(update={"training": t.model_copy(update={"fit": "memory"})}),
                 {"step": report["step"], "postmortem": report["path"], "fit": "memory"} | freed)
     smaller = halve_micro_batch(cfg, packed, longest)

@@ -20,6 +20,40 @@ from stages.train.kernels import resolve_auto
 
 
 def on_card(cfg: RunConfig, shapes: Shapes, longest: int, usable_gib: float, on_gpu: bool) -> RunConfig:
+    """`cfg` planned for this card: fit: auto decided (fit_on_card), then its packed budget widened (budget_on_card)."""
+    cfg = fit_on_card(cfg, shapes, longest, usable_gib, on_gpu)
+    return budget_on_card(cfg, shapes, longest, usable_gib, on_gpu)
+
+
+def fit_on_card(cfg: RunConfig, shapes: Shapes, longest: int, usable_gib: float, on_gpu: bool) -> RunConfig:
+    """`cfg` with fit: auto decided for this card (training.planned_fit, the reason in training._fit_reason): speed, the
+    fastest plan, where its estimate with every layer checkpointed fits the usable memory (the train stage then
+    measures how many layers can keep their activations, and the preflight's probe measures that floor); memory where
+    it does not, on CPU and with FSDP. An explicit fit, or one already decided, is left as it is."""
+    t = cfg.training
+    if t.fit != "auto" or t._card_fit:
+        return cfg
+    if not on_gpu:
+        return _with_fit(cfg, "memory", "fit: auto is memory here: no CUDA device")
+    if t.distributed == "fsdp":
+        return _with_fit(cfg, "memory", "fit: auto is memory with distributed: fsdp (fit: speed measures the unsharded model)")
+    need = estimate(_with_fit(cfg, "speed", ""), shapes, longest, on_gpu=on_gpu).total_gib
+    if need <= usable_gib:
+        return _with_fit(cfg, "speed", f"fit: auto is speed on this card: its estimate with every layer checkpointed, "
+                                       f"{need:.2f} GiB, fits the {usable_gib:.2f} usable; no offloads, fused AdamW, and as many "
+                                       "layers keep their activations as the card holds (measured at the start of training)")
+    return _with_fit(cfg, "memory", f"fit: auto is memory on this card: fit: speed would need {need:.2f} GiB with every layer "
+                                    f"checkpointed (estimate), over the {usable_gib:.2f} usable; every layer checkpointed, its "
+                                    "inputs and the embeddings offloaded to CPU, 8-bit paged AdamW")
+
+
+def _with_fit(cfg: RunConfig, fit: str, why: str) -> RunConfig:
+    t = cfg.training.model_copy()
+    t._card_fit, t._fit_reason = fit, why
+    return cfg.model_copy(update={"training": t})
+
+
+def budget_on_card(cfg: RunConfig, shapes: Shapes, longest: int, usable_gib: float, on_gpu: bool) -> RunConfig:
     """`cfg` with its packed budget widened for this card (the reason in batches.token_budget_reason), or `cfg` itself
     where there is nothing to widen: an explicit training.max_tokens_per_batch, a budget already chosen, padded
     batches, packed_step: tokens (the budget is then what a step trains), the tiled MLP forced on, no CUDA (no launch

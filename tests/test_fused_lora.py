@@ -1,0 +1,98 @@
+"""The fused LoRA layer (stages/train/fused_lora.py): peft's outputs and gradients from one autograd function, on
+16-bit and 4-bit bases, with and without dropout; peft's own forward wherever the call is not a plain one; and the
+train stage's model uses it by default."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from stages.config import ConfigError, load_config
+from stages.train import fused_lora, kernels
+from tests.conftest import write_config
+
+SMALL = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, attention_bias=True)   # a bias on q/k/v: addmm's bias path
+
+
+def _pair(dropout: float, nf4: bool, where=None, **lora):
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **SMALL))
+    if nf4:   # the 4-bit base as QLoRA loads it: bitsandbytes' NF4 layers, on the CPU
+        from transformers import BitsAndBytesConfig
+
+        base.save_pretrained(where)
+        base = AutoModelForCausalLM.from_pretrained(where, quantization_config=BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32))
+        assert type(base.model.layers[0].mlp.up_proj).__name__ == "Linear4bit"
+    peft_model = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, lora_dropout=dropout, target_modules="all-linear", **lora))
+    for n, p in peft_model.named_parameters():
+        if "lora_B" in n:   # B starts at zero: give the adapter something to add
+            torch.nn.init.normal_(p, std=0.05)
+    fused = copy.deepcopy(peft_model)
+    return peft_model, fused, fused_lora.use(fused)
+
+
+def _loss_and_grads(model, ids, seed: int):
+    model.zero_grad()
+    torch.manual_seed(seed)   # the same dropout masks in both
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("nf4", [False, True], ids=["16bit", "nf4"])
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_the_fused_layer_computes_what_peft_computes(nf4, dropout, tmp_path):
+    peft_model, fused, n = _pair(dropout, nf4, tmp_path)
+    assert n == 2 * 7   # every adapted linear layer of both decoder layers
+    ids = torch.randint(0, SMALL["vocab_size"], (2, 24))
+    for m in (peft_model, fused):
+        m.train()
+    (a, ga), (b, gb) = _loss_and_grads(peft_model, ids, 1), _loss_and_grads(fused, ids, 1)
+    torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+    assert ga.keys() == gb.keys() and len(ga) == 4 * 7
+    for k in ga:
+        torch.testing.assert_close(gb[k], ga[k], rtol=1e-4, atol=1e-6, msg=k)
+    assert type(fused(input_ids=ids).logits.grad_fn).__name__ != ""   # a forward still returns the logits
+    q = fused.base_model.model.model.layers[0].self_attn.q_proj
+    y = q(torch.randn(3, SMALL["hidden_size"], requires_grad=True))
+    assert type(y.grad_fn).__name__ == "LoRALinearBackward"
+
+
+def test_peft_forward_where_the_call_is_not_a_plain_one():
+    peft_model, fused, _ = _pair(0.0, False)
+    ids = torch.randint(0, SMALL["vocab_size"], (1, 12))
+    q = fused.base_model.model.model.layers[0].self_attn.q_proj
+    x = torch.randn(2, 5, SMALL["hidden_size"])
+    with fused.disable_adapter():   # the base alone
+        assert q(x).grad_fn is None or type(q(x).grad_fn).__name__ != "LoRALinearBackward"
+        with torch.no_grad():
+            torch.testing.assert_close(q(x), q.base_layer(x))
+    with torch.no_grad():   # merged into the base: the same logits as unmerged, through the base layer
+        before = fused(input_ids=ids).logits
+        fused.merge_adapter()
+        torch.testing.assert_close(fused(input_ids=ids).logits, before, rtol=1e-4, atol=1e-5)
+        fused.unmerge_adapter()
+    dora = _pair(0.0, False, use_dora=True)[2]
+    assert dora == 0   # DoRA's magnitude vector is not this function's maths
+
+
+def test_the_stage_model_uses_it_and_it_can_be_switched_off(tmp_path):
+    from stages.train.model import build_model
+
+    cfg = load_config(write_config(tmp_path, training={"max_steps": 1}))
+    assert kernels.settings(cfg).fused_lora
+    model = build_model(cfg)
+    fused = [m for m in model.modules() if "forward" in m.__dict__ and fused_lora.fusable(m)]
+    assert len(fused) == 2 * 7
+    off = load_config(write_config(tmp_path, training={"max_steps": 1, "fused_lora": "off"}))
+    assert not kernels.settings(off).fused_lora
+    fsdp = load_config(write_config(tmp_path, training={"launcher": "accelerate", "distributed": "fsdp", "num_processes": 2,
+                                                        "fused_lora": "on"}))
+    with pytest.raises(ConfigError, match="fused_lora: on .* FSDP2"):
+        kernels.settings(fsdp)
