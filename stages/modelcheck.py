@@ -135,13 +135,8 @@ def _shapes(config: dict, tensors: dict[str, dict]) -> list[str]:
     if emb and hidden and vocab and emb[1] != [vocab, hidden]:
         problems.append(f"config.json says vocab_size {vocab} x hidden_size {hidden}, but {emb[0]} is {emb[1][0]} x {emb[1][1]}: "
                         "the config does not belong to these weights; use the config.json that came with them")
-    heads, kv = c.get("num_attention_heads"), c.get("num_key_value_heads") or c.get("num_attention_heads")
-    head_dim = c.get("head_dim") or (hidden // heads if hidden and heads else None)
-    for proj, rows in (("layers.0.self_attn.q_proj.weight", heads), ("layers.0.self_attn.k_proj.weight", kv)):
-        found = shape_of(proj)
-        if found and rows and head_dim and hidden and found[1] != [rows * head_dim, hidden]:
-            problems.append(f"config.json implies {found[0]} of {rows * head_dim} x {hidden} ({rows} heads of {head_dim}), but it is "
-                            f"{found[1][0]} x {found[1][1]}: the config does not belong to these weights; use the config.json that came with them")
+    # The attention's projections are judged by the architecture's own expected tensors (_architecture): a formula of
+    # heads x head_dim refused DeepSeek's latent attention, whose queries are heads x (nope + rope) wide.
     layers = {int(p) for name in tensors for p in [_layer_index(name)] if p is not None}
     if layers and c.get("num_hidden_layers") and max(layers) + 1 != c["num_hidden_layers"]:
         problems.append(f"config.json says num_hidden_layers {c['num_hidden_layers']}, the weights hold {max(layers) + 1} layers: "

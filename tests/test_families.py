@@ -42,6 +42,13 @@ FAMILIES = {
     # llama.cpp's OLMoE applies k_norm over all heads' width: its releases have as many KV heads as query heads
     "olmoe": ("tiny-chatml", dict(intermediate_size=256, num_experts=4, num_key_value_heads=4, **MOE)),
     "smollm3": ("tiny-chatml", dict(intermediate_size=512)),
+    # DeepSeek-V2-Lite's latent attention: queries not low-rank (q_lora_rank null), queries and keys nope + rope wide,
+    # values narrower; llama.cpp reads a deepseek2 GGUF without q_lora_rank only at 26 or 27 layers (its is_lite)
+    "deepseek_v2": ("tiny-chatml", dict(num_hidden_layers=26, intermediate_size=256, moe_intermediate_size=64,
+                                        n_routed_experts=4, n_shared_experts=1, q_lora_rank=None, kv_lora_rank=64,
+                                        qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, head_dim=16,
+                                        num_key_value_heads=4, first_k_dense_replace=1, topk_method="greedy", n_group=1,
+                                        topk_group=1, **MOE)),
 }
 MOE_FAMILIES = {f for f, (_, extra) in FAMILIES.items() if "num_experts_per_tok" in extra}
 WITH_TOKENIZER_JSON = {"mistral", "mixtral", "phi3"}   # transformers reads these model_types with a generic class

@@ -128,6 +128,10 @@ def _varlen_params() -> frozenset[str]:
 
 
 def _flash_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale):
+    if v.shape[-1] != q.shape[-1]:   # the flash kernel takes one head width; latent attention's values are narrower
+        # (DeepSeek-V2: queries and keys 192 wide, values 128): zero columns change no sum; as transformers' flash path does
+        width = v.shape[-1]
+        return _flash_varlen(q, k, torch.nn.functional.pad(v, (0, q.shape[-1] - width)), cu_q, cu_k, max_q, max_k, scale)[..., :width]
     from torch.nn.attention.varlen import varlen_attn
 
     params = _varlen_params()
