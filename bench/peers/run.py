@@ -292,11 +292,18 @@ def run_unsloth(args, shape: dict) -> dict:
                         disable_tqdm=True)
         trainer = SFTTrainer(model=model, processing_class=tokenizer, train_dataset=data, args=cfg,
                              callbacks=[meter.callback()])
-        out["runs"][kind] = timed(trainer, meter, model, shape) | {"padding_free": bool(getattr(trainer.args, "padding_free", False)),
+        out["runs"][kind] = timed(trainer, meter, model, shape) | {"padding_free": getattr(trainer.args, "padding_free", None),
                                                                     "micro_batch": d["batch"]}
         print("unsloth", kind, out["runs"][kind], flush=True)
+        keep(args, out)
         del trainer
     return out
+
+
+def keep(args, result: dict) -> None:
+    """The runs so far, written as they finish: a tool stopped by its time limit keeps the rows it made."""
+    if args.out:
+        Path(args.out).write_text(json.dumps(args.header | {"result": result, "partial": True}, indent=1, default=str))
 
 
 def timed(trainer, meter: Meter, model, shape: dict) -> dict:
@@ -331,7 +338,7 @@ def stage_config(args, kind: str):
 def run_stage(args, shape: dict) -> dict:
     import torch
 
-    from stages.train import batches, kernels, widen
+    from stages.train import batches, fused_lora, kernels, widen
     from stages.train.hf_trainer import make_trainer
     from stages.train.model import build_model
     from stages.train.stage import choose_fit
@@ -359,9 +366,20 @@ def run_stage(args, shape: dict) -> dict:
                       "reason": fit.reason}}
         out["runs"][kind] = r
         print("stage", kind, {k: v for k, v in r.items() if k != "settings"}, flush=True)
+        keep(args, out)
         del trainer
         if torch.cuda.is_available() and args.profile == kind:
             out["profile"] = profile_steps(cfg, model, dataset, collator, settings, args)
+        if "fused-off" in args.variants and kind != "long":   # the same model and fit, peft's own LoRA forward
+            for m in model.modules():
+                m.__dict__.pop("forward", None) if fused_lora.fusable(m) else None
+            trainer = make_trainer(cfg, model, dataset, collator, Path(args.work) / f"stage-{kind}-off", callbacks=[meter.callback()],
+                                   settings=settings, disable_tqdm=True, save_strategy="no")
+            out["runs"][f"{kind}@fused-off"] = timed(trainer, meter, model, shape)
+            print("stage", kind, "fused-off", out["runs"][f"{kind}@fused-off"], flush=True)
+            keep(args, out)
+            del trainer
+            fused_lora.use(model)
     return out
 
 
@@ -428,6 +446,7 @@ def run_peft(args, shape: dict, liger: bool) -> dict:
                           callbacks=[meter.callback()])
         out["runs"][kind] = timed(trainer, meter, model, shape) | {"micro_batch": d["batch"]}
         print("peft-liger" if liger else "peft", kind, out["runs"][kind], flush=True)
+        keep(args, out)
         del trainer
     return out
 
@@ -442,8 +461,10 @@ def merge(dest: str, files: list[str]) -> None:
         d = json.loads(Path(f).read_text())
         if "error" in d:
             errors.append({k: d.get(k) for k in ("tool", "name", "shape", "device", "run", "error")})
-        for kind, r in d.get("result", {}).get("runs", {}).items():
-            rows_out.append({"tool": d["tool"], "name": d["name"], "shape": d["shape"], "kind": d["kind"], "data": kind,
+        for key, r in d.get("result", {}).get("runs", {}).items():
+            kind, _, variant = key.partition("@")
+            rows_out.append({"tool": d["tool"], "name": d["name"] + (f"-{variant}" if variant else ""), "shape": d["shape"],
+                             "kind": d["kind"], "data": kind,
                              "quant": "nf4" if d["qlora"] else "bf16", "device": d["device"], "run": d["run"],
                              **{k: r.get(k) for k in ("tokens_per_s", "loss_tokens_per_s", "peak_reserved_gib", "paged_states_gib",
                                                       "mfu", "tokens_per_step", "steps", "losses", "first_step_s")},
@@ -485,6 +506,8 @@ def main() -> None:
     ap.add_argument("--cap-scale", type=float, default=1.0, help="scale the data's lengths (a tiny dry run)")
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="stage: a config override")
     ap.add_argument("--profile", choices=list(DATA), help="stage: two more steps of this data, the second profiled")
+    ap.add_argument("--variants", nargs="*", default=[], choices=["fused-off"], help="stage: after each data set (not "
+                    "long), the same model again with this change; its rows are named <tool>-<variant>")
     args = ap.parse_args()
     if args.tool == "make":
         print(json.dumps(make(args)))
@@ -496,6 +519,7 @@ def main() -> None:
            "kind": "moe" if any(k in shape for k in ("num_experts", "num_local_experts")) else "dense", "qlora": args.qlora,
            "run": args.run, "set": args.set, "command": " ".join(sys.argv),
            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
+    args.header = dict(out)
     with tempfile.TemporaryDirectory() as work:
         args.work = work
         try:

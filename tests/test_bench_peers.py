@@ -1,0 +1,36 @@
+"""bench/peers/run.py runs at HEAD: its checkpoint, the stage's and plain peft's rows on a tiny Llama on the CPU, and
+the merge into results rows with their ratios (Unsloth and Liger need a GPU here; the same code paths run there)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from tests.conftest import REPO
+
+RUN = [sys.executable, str(REPO / "bench" / "peers" / "run.py")]
+
+
+def test_the_peers_bench_runs_its_cpu_rows(tmp_path):
+    env = os.environ | {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    model = tmp_path / "tiny"
+    subprocess.run([*RUN, "make", "--shape", "tiny-llama", "--dir", str(model)], check=True, env=env, cwd=tmp_path)
+    common = ["--shape", "tiny-llama", "--dir", str(model), "--data", "full", "longtail", "--cap-scale", "0.01", "--steps", "3"]
+    subprocess.run([*RUN, "stage", *common, "--variants", "fused-off", "--out", str(tmp_path / "stage.json")], check=True,
+                   env=env, cwd=tmp_path)
+    subprocess.run([*RUN, "peft", *common, "--out", str(tmp_path / "peft.json")], check=True, env=env, cwd=tmp_path)
+    subprocess.run([*RUN, "merge", str(tmp_path / "results.json"), str(tmp_path / "stage.json"), str(tmp_path / "peft.json")],
+                   check=True, env=env, cwd=tmp_path)
+    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+    assert {(r["name"], r["data"]) for r in rows} == {(n, d) for n in ("stage", "stage-fused-off", "peft") for d in ("full", "longtail")}
+    for r in rows:
+        assert r["kind"] == "dense" and r["quant"] == "nf4" and r["tokens_per_s"] > 0 and len(r["losses"]) == 3
+        assert r["loss_tokens_per_s"] <= r["tokens_per_s"]
+        assert (r["name"] == "peft") == ("vs_peft" not in r)
+    stage = next(r for r in rows if r["name"] == "stage" and r["data"] == "longtail")
+    assert stage["fit"]["fit"] == "memory"   # fit: auto on a CPU
+    # the first step trains the same thing: the adapter starts at zero, so both tools see the base model's loss
+    peft = next(r for r in rows if r["name"] == "peft" and r["data"] == "full")
+    assert abs(next(r for r in rows if r["name"] == "stage" and r["data"] == "full")["losses"][0] - peft["losses"][0]) < 0.01
