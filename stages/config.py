@@ -179,8 +179,8 @@ class TrainingSection(Section):
     tiled_mlp: Switch = Field(
         "auto", description="Run each MLP over sequence tiles, recomputed in backward (Liger's TiledMLP, CUDA): the "
         "tokens x intermediate activations stop growing with context, at the cost of one more MLP forward. "
-        "auto: on when the widest micro-batch of the data holds >= 32768 tokens (packed: max_tokens_per_batch; padded: "
-        "micro-batch x the longest sample after data.long_sample_policy)."
+        "auto: on with fit: memory when the widest micro-batch of the data holds >= 32768 tokens (packed: max_tokens_per_batch; "
+        "padded: micro-batch x the longest sample after data.long_sample_policy); fit: speed keeps the activations instead."
     )
     fused_lora: Switch = Field(
         "auto", description="Each adapted linear layer's forward and backward in one autograd function "

@@ -120,3 +120,7 @@ def test_fit_auto_is_the_fastest_plan_the_card_holds():
     for explicit in ("memory", "speed"):   # what the config says stays
         c = config(fit=explicit)
         assert widen.on_card(c, s, 2048, 0.001 if explicit == "speed" else 1000.0, True).training.planned_fit == explicit
+    # a speed plan keeps the activations: the tiled MLP (one more MLP forward per layer) only where memory comes first
+    long = config(packed_step="tokens", max_tokens_per_batch=32768)
+    assert resolve_auto(long, on_gpu=True)["tiled_mlp"]
+    assert not resolve_auto(widen.on_card(long, shapes(long), 2048, 1000.0, True), on_gpu=True)["tiled_mlp"]

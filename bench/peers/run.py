@@ -216,7 +216,7 @@ class Meter:
     def result(self, params_active: int, layers: int, hidden: int) -> dict:
         import torch
 
-        out = {"steps": len(self.marks), "losses": self.losses}
+        out = {"steps": len(self.marks), "losses": list(self.losses)}   # a copy: the next run refills the list
         if len(self.marks) >= 2:
             (t0, k0, l0), (t1, k1, l1) = self.marks[0], self.marks[-1]
             out |= {"tokens_per_s": round((k1 - k0) / (t1 - t0), 1), "loss_tokens_per_s": round((l1 - l0) / (t1 - t0), 1),
@@ -468,6 +468,7 @@ def merge(dest: str, files: list[str]) -> None:
                              "quant": "nf4" if d["qlora"] else "bf16", "device": d["device"], "run": d["run"],
                              **{k: r.get(k) for k in ("tokens_per_s", "loss_tokens_per_s", "peak_reserved_gib", "paged_states_gib",
                                                       "mfu", "tokens_per_step", "steps", "losses", "first_step_s")},
+                             "mean_loss": round(sum(r["losses"]) / len(r["losses"]), 4) if r.get("losses") else None,
                              **({"fit": r["fit"]} if "fit" in r else {}), **({"set": d["set"]} if d.get("set") else {})})
     for r in rows_out:
         same = [o for o in rows_out if (o["shape"], o["data"], o["quant"], o["run"]) == (r["shape"], r["data"], r["quant"], r["run"])]

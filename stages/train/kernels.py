@@ -63,7 +63,10 @@ def resolve_auto(cfg: RunConfig, *, on_gpu: bool, liger: bool = True, bnb: bool 
         or (t.offload_activations == "auto" and memory_first and t.gradient_checkpointing),
         # FSDP shards the table across processes instead (a host table is no parameter FSDP can shard)
         "offload_embeddings": t.distributed != "fsdp" and (t.offload_embeddings == "on" or (t.offload_embeddings == "auto" and memory_first)),
-        "tiled_mlp": t.tiled_mlp == "on" or (t.tiled_mlp == "auto" and on_gpu and liger and widest >= TILE_FROM_TOKENS),
+        # memory-first only: a speed plan keeps the layers' activations where the card holds them, and the tiled MLP's
+        # extra MLP forward per layer then costs more than it saves (Llama-3.1-8B at 1 x 32,768 tokens, bench/peers:
+        # 0.85x Unsloth with it); fit: auto picks speed only where the untiled estimate fits
+        "tiled_mlp": t.tiled_mlp == "on" or (t.tiled_mlp == "auto" and memory_first and liger and widest >= TILE_FROM_TOKENS),
         # 8-bit paged AdamW when memory comes first (-0.24 GiB, -1.5% tokens/s on R7), fused AdamW when speed does
         # (bitsandbytes' 8-bit states do not take FSDP2's sharded parameters; sharded N ways, 32-bit states are small)
         "optim": t.optim if t.optim != "auto" else "adamw_torch" if t.distributed == "fsdp" else
