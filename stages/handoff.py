@@ -264,25 +264,43 @@ def _fallbacks(quant: str, gguf: Path) -> dict:
 
 
 def _serving(cfg: RunConfig, gguf: Path) -> dict:
-    """Chat template, BOS/EOS and stop strings, as the GGUF holds them (export checked they equal the HF tokenizer's).
-
-    The stops are every token llama.cpp itself ends a generation at (its end-of-generation set: EOS, and the end of a
-    turn such as Gemma's <end_of_turn>, which is not the EOS), so Ollama and other servers stop where llama.cpp does."""
+    """Chat template, BOS/EOS and stop strings, as the GGUF holds them (export checked they equal the HF tokenizer's)."""
     from stages.export import llamacpp
     from stages.export.llamacpp_process import LlamaProcess
     from stages.modelio import load_tokenizer
 
     tok = load_tokenizer(cfg.model)
     f = llamacpp.read_gguf(gguf)["fields"]
+    template = f.get("tokenizer.chat_template") or tok.chat_template
     with LlamaProcess(gguf.name) as vocab:
         vocab.call("load", str(gguf), vocab_only=True)
-        stops = vocab.call("end_of_generation")
+        stops = stop_tokens(vocab, tok, template, resolve_model_dir(cfg.model.name_or_path))
         add_bos = f.get("tokenizer.ggml.add_bos_token")
         if add_bos is None:  # llama.cpp's default depends on the tokenizer (SentencePiece yes, SmolLM's BPE no): ask it
             add_bos = vocab.call("add_bos")
-    return {"template": f.get("tokenizer.chat_template") or tok.chat_template, "bos_token": tok.bos_token or "",
-            "eos_token": tok.eos_token or "", "stops": list(dict.fromkeys(s for s in [*stops, tok.eos_token] if s)),
+    return {"template": template, "bos_token": tok.bos_token or "", "eos_token": tok.eos_token or "", "stops": stops,
             "add_bos": bool(add_bos)}
+
+
+def stop_tokens(vocab, tok, template: str, model_dir: Path) -> list[str]:
+    """The model's end-of-generation tokens, end of turn first: the special token the chat template closes an
+    assistant turn with ("<|im_end|>", Gemma's "<end_of_turn>", "</s>"), the tokenizer's EOS and generation_config.json's
+    eos_token_id(s); each only if the GGUF's vocabulary (`vocab`, loaded in a llama.cpp process) has it as one token.
+
+    Not llama.cpp's own end-of-generation set: it takes any token whose text is "</s>", "<|endoftext|>", a FIM marker...
+    and Qwen's byte-level vocabulary has "</s>" as plain text (token 128247), which a stop string would then cut out of
+    any answer that writes HTML's strike-through end tag."""
+    turn_end = modelcard.assistant_turn_end(template, tok.bos_token or "", tok.eos_token or "")
+    end_of_turn = vocab.call("special_tokens", [turn_end])[0][:1] if turn_end else []
+    try:
+        gen = json.loads((Path(model_dir) / "generation_config.json").read_text(encoding="utf-8")).get("eos_token_id")
+    except (OSError, ValueError):
+        gen = None
+    eos_ids = [gen] if isinstance(gen, int) else [i for i in gen or [] if isinstance(i, int)]
+    declared = [tok.eos_token, *(tok.convert_ids_to_tokens(i) for i in eos_ids if i < len(tok))]
+    candidates = list(dict.fromkeys(t for t in [*end_of_turn, *declared] if t))
+    pieces = vocab.call("tokenize", candidates)
+    return [t for t, ids in zip(candidates, pieces, strict=True) if len(ids) == 1]
 
 
 def _versions() -> dict:

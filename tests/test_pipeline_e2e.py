@@ -115,3 +115,17 @@ def test_bundle_checksums_verify_and_manifest_is_complete(e2e):
     adapter = m["adapter"]
     assert adapter["r"] == m["config"]["lora"]["r"] and "q_proj" in adapter["target_modules"] and adapter["target_parameters"] == []
     assert f"LoRA r {adapter['r']} (alpha {adapter['lora_alpha']}) on " in (bundle / "README.md").read_text()
+
+
+def test_the_bundle_s_ggufs_name_themselves(e2e):
+    """llama-server's /props, Ollama and model lists show general.name: the run's model name, not the merge directory's
+    "Model"; the base (a local directory here: no repo URL, and no card to give a license) is named beside it."""
+    result, _, _ = e2e
+    for name in ("model-Q4_K_M.gguf", "model-Q5_K_S.gguf"):
+        fields = llamacpp.read_gguf(Path(result["bundle"]) / name)["fields"]
+        assert {k: fields.get(k) for k in ("general.name", "general.basename", "general.finetune", "general.base_model.count",
+                                           "general.base_model.0.name", "general.base_model.0.repo_url", "general.license")} == {
+            "general.name": "tiny-llama-translate", "general.basename": "tiny-llama", "general.finetune": "tiny-llama-translate",
+            "general.base_model.count": 1, "general.base_model.0.name": "Tiny Llama", "general.base_model.0.repo_url": None,
+            "general.license": None}
+        assert fields["llama.context_length"] == 512  # the model's own: llama.cpp's "n_ctx_train (0)" came from vocabulary loads

@@ -119,6 +119,17 @@ def turn_template(template: str, bos_token: str, eos_token: str, *, strip_bos: b
     return tt
 
 
+def assistant_turn_end(template: str, bos_token: str, eos_token: str) -> str | None:
+    """The text the chat template puts after an assistant message's content ("<|im_end|>\\n", "<end_of_turn>\\n",
+    "</s>"): where the model learned to end its turn. None when the template renders no assistant turn."""
+    msgs = [{"role": "user", "content": U}, {"role": "assistant", "content": A}]
+    try:
+        text = render(template, msgs, add_generation_prompt=False, bos_token=bos_token, eos_token=eos_token)
+    except TemplateError:
+        return None
+    return text[text.index(A) + len(A):] if A in text else None
+
+
 def _split_default(s_head: str, head: str, u_pre: str) -> tuple[str, str]:
     """(prefix, default system text) for a template that renders `head` with no system message and `s_head` before
     a system message's content. Any split inside their common start renders the same conversations; the one
