@@ -97,7 +97,8 @@ def test_bundle_checksums_verify_and_manifest_is_complete(e2e):
     result, _, flow_run_id = e2e
     bundle = Path(result["bundle"])
     subprocess.run(["sha256sum", "-c", "SHA256SUMS"], cwd=bundle, check=True, capture_output=True)
-    assert sorted(p.name for p in bundle.iterdir()) == ["Modelfile", "README.md", "SHA256SUMS", "comparison.json", "comparison.md",
+    assert sorted(p.name for p in bundle.iterdir()) == ["Modelfile", "README.md", "SHA256SUMS", "adapter-f16.gguf", "adapter_config.json",
+                                                        "adapter_model.safetensors", "comparison.json", "comparison.md",
                                                         "imatrix.gguf", "manifest.json", "model-Q4_K_M.gguf", "model-Q5_K_S.gguf"]
     m = json.loads((bundle / "manifest.json").read_text())
     assert m["prefect_flow_run_id"] == str(flow_run_id)
