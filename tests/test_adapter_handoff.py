@@ -115,3 +115,20 @@ def test_an_adapter_llama_cpp_scales_wrongly_fails_its_parity_and_is_not_shipped
     parity = proof.record["parity"]
     assert not parity["passed"] and parity["mean_kl"] > parity["max_mean_kl"], parity
     assert not list((tmp_path / "work").glob("base-*.gguf"))
+
+
+def test_an_adapter_proof_the_disk_cannot_hold_is_skipped_not_the_run(tmp_path):
+    """The proof converts the base model to a GGUF as large as the merged one: where the filesystem has less free,
+    the merged GGUFs ship and the manifest says how much the adapter would have needed."""
+    lora = tmp_path / "adapter"
+    lora.mkdir()
+    (lora / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 16, "lora_alpha": 32}))
+    (lora / "adapter_model.safetensors").write_bytes(b"not read")
+    merged = tmp_path / "model-f16.gguf"
+    with merged.open("wb") as f:
+        f.truncate(1 << 42)  # a sparse 4 TiB: larger than the free space here, and no bytes written
+    with memory.track("handoff", tmp_path / "stage", gpu=False) as meter:
+        proof = adapter.prove(load_config(write_config(tmp_path)), lora, merged, tmp_path / "work", meter)
+    assert not proof.record["shipped"] and proof.files == []
+    assert proof.record["reason"].startswith("the proof converts the base model to a GGUF as large as model-f16.gguf (4096.00 GiB)")
+    assert "free space there to ship the adapter" in proof.record["reason"]

@@ -94,6 +94,11 @@ def prove(cfg, adapter_dir: Path, merged_gguf: Path, work_dir: Path, meter) -> P
         return Proof.not_shipped(f"export.outtype {cfg.export.outtype} is not a type convert_lora_to_gguf.py writes")
     work_dir.mkdir(parents=True, exist_ok=True)
     base = work_dir / f"base-{cfg.export.outtype}.gguf"
+    room = errors.Filesystem.of(work_dir)
+    if room.free < Path(merged_gguf).stat().st_size * 1.05:  # the base GGUF is the merged one's size (same tensors, same type)
+        return Proof.not_shipped(f"the proof converts the base model to a GGUF as large as {Path(merged_gguf).name} "
+                                 f"({errors.gib(Path(merged_gguf).stat().st_size)}), and the filesystem mounted at {room.mount} "
+                                 f"has {room.describe()}; free space there to ship the adapter")
     try:
         return _prove(cfg, adapter_dir, Path(merged_gguf), work_dir, base, meter)
     except Exception as e:
@@ -122,7 +127,7 @@ def _prove(cfg, adapter_dir: Path, merged_gguf: Path, work_dir: Path, base: Path
 
     converter = llamacpp.converter_dir()
     base_dir = resolve_model_dir(cfg.model.name_or_path)
-    convert.convert(meter, converter, base_dir, base, cfg.export.outtype, source=base_dir)
+    convert.convert(meter, converter, base_dir, base, cfg.export.outtype, source=base_dir, stage="handoff")
     base_record = {"bytes": base.stat().st_size, "sha256": sha256_file(base), "outtype": cfg.export.outtype,
                    "made_by": f"llama-cpp-python {llamacpp.runtime_version()}'s convert_hf_to_gguf.py"}
     lap("convert_base")

@@ -51,7 +51,7 @@ class Converted:
 
 
 def convert(meter: memory.track, converter: Path, merged_dir: Path, dst: Path, outtype: str, *, source: Path | None = None,
-            metadata: Path | None = None) -> Converted:
+            metadata: Path | None = None, stage: str = "export") -> Converted:
     """convert_hf_to_gguf.py in a subprocess (its peak RSS is measured as the stage's child). `source`: the user's model
     directory `merged_dir` was made from, named in a refusal (its files are the ones to change). `metadata`: a
     `--metadata` override file (stages/export/naming.py), its `general.license` applied too."""
@@ -80,7 +80,7 @@ def convert(meter: memory.track, converter: Path, merged_dir: Path, dst: Path, o
     notable = [line for line in out.splitlines()
                if ("WARNING" in line or "ERROR" in line) and not any(h in line for h in handled)
                and line.strip() != "WARNING:hf-to-gguf:"]
-    print(summary(merged_dir, llamacpp.read_gguf(dst), dst, log, used), *notable, sep="\n")
+    print(summary(merged_dir, llamacpp.read_gguf(dst), dst, log, used, stage), *notable, sep="\n")
     return Converted(dst, log, used)
 
 
@@ -139,12 +139,12 @@ def probe(converter: Path) -> subprocess.Popen:
                             stderr=subprocess.STDOUT, text=True)
 
 
-def summary(merged_dir: Path, info: dict, dst: Path, log: Path, pre: str | None) -> str:
+def summary(merged_dir: Path, info: dict, dst: Path, log: Path, pre: str | None, stage: str = "export") -> str:
     """One line for the run's log: what came out, by tensor type, and where the per-tensor lines are."""
     f = info["fields"]
     types = ", ".join(f"{t} {n}" for t, n in llamacpp.type_counts(info).items())
     vocab = f"{f.get('tokenizer.ggml.model')}/{f.get('tokenizer.ggml.pre', '-')}" + (" (from tokenizer.json)" if pre else "")
-    return (f"export: converted {merged_dir.name} -> {dst.name}: {len(info['tensor_types'])} tensors ({types}), "
+    return (f"{stage}: converted {merged_dir.name} -> {dst.name}: {len(info['tensor_types'])} tensors ({types}), "
             f"{dst.stat().st_size / 2**20:.1f} MiB, vocab {f.get('tokenizer.ggml.tokens', {}).get('array_len')} {vocab}; "
             f"per-tensor log {log.name}")
 
