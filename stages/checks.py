@@ -9,8 +9,10 @@ instead of a traceback minutes or hours later:
 - export tools: llama-cpp-python and gguf import in this process (export quantizes and reads GGUF
   here), the converter matches the runtime, and the processes the export starts later (llama.cpp's
   converter, the torch-free llama.cpp process) start and import what they need, started the same way.
-- disk: the merged 16-bit model, the unquantized GGUF and every quantized one (artifacts_dir) and the
-  bundle's copies (handoff.dir) fit in the free space of the filesystem(s) that will hold them.
+- disk: the merged 16-bit model, the unquantized GGUF and every quantized one (artifacts_dir), the candidates export
+  deletes after its fidelity gate, the adapter proof's base GGUF (deleted after it) and, where handoff.dir is on
+  another filesystem, the bundle's copies fit in the free space of the filesystem(s) that will hold them at the peak;
+  the preflight prints what each part needs and when it is freed.
 - the hand-off directory: its `latest` is a link that can be switched.
 - the tokenizer as llama.cpp will read it: the converter writes a vocabulary-only GGUF from the user's model directory
   (it supports the architecture and reads the tokenizer), whose metadata and tokenization of sample texts equal the
@@ -254,32 +256,59 @@ class Output:
     what: str
     directory: Path       # where it will be written
     bytes: int
+    freed: str | None = None   # the step after which the run deletes it again; None: it stays
+    optional: bool = False     # left out, not the run stopped, where it does not fit (the adapter's proof: handoff.adapter auto)
 
 
 def disk(cfg: RunConfig, run_dir: Path) -> None:
-    """The outputs after training fit the free space of the filesystem(s) that will hold them; DiskFull if not."""
+    """The outputs after training fit the free space of the filesystem(s) that will hold them at their peak (what
+    stays, plus the largest set of files that live only until one step is done); DiskFull if not. Prints, per
+    filesystem, what each part needs and when it is freed."""
     by_fs: dict[int, tuple[errors.Filesystem, list[Output]]] = {}
     for out in planned_outputs(cfg, run_dir):
         fs = errors.Filesystem.of(out.directory)
         by_fs.setdefault(fs.device, (fs, []))[1].append(out)
     for fs, outs in by_fs.values():
-        need = sum(o.bytes for o in outs)
+        need, with_optional = peak([o for o in outs if not o.optional]), peak(outs)
+        print(f"preflight: disk at {fs.mount}: the export and the hand-off peak at {errors.gib(with_optional)} of {fs.describe()}: "
+              + plan_text(outs))
         if need > fs.free:
             dirs = ", ".join(dict.fromkeys(f"{k} {Path(d).resolve()}" for k, d in (("artifacts_dir", cfg.artifacts_dir),
                                                                                    ("handoff.dir", cfg.handoff.dir))
                                            if errors.Filesystem.of(d).device == fs.device))
             raise DiskFull(errno.ENOSPC,
                            f"the export and the bundle will need about {errors.gib(need)} on the filesystem mounted at {fs.mount} "
-                           f"({dirs}), which has {fs.describe()}: " + ", ".join(f"{o.what} {errors.gib(o.bytes)}" for o in outs)
+                           f"({dirs}), which has {fs.describe()}: " + plan_text([o for o in outs if not o.optional])
                            + "; free space there, or point artifacts_dir / handoff.dir at a larger disk (they may be on "
                            "different disks), or export fewer export.quant_types")
 
 
+def peak(outs: list[Output]) -> int:
+    """Bytes on disk at the fullest moment: everything that stays, plus the files freed after one step (they are all
+    there until that step ends; each step's are gone before the next one's are written)."""
+    by_step: dict[str, int] = {}
+    for o in outs:
+        if o.freed:
+            by_step[o.freed] = by_step.get(o.freed, 0) + o.bytes
+    return sum(o.bytes for o in outs if not o.freed) + max(by_step.values(), default=0)
+
+
+def plan_text(outs: list[Output]) -> str:
+    def when(o: Output) -> str:
+        notes = [f"freed {o.freed}"] * bool(o.freed) + ["left out where it does not fit"] * o.optional
+        return f" ({'; '.join(notes)})" if notes else ""
+
+    return ", ".join(f"{o.what} {errors.gib(o.bytes)}{when(o)}" for o in outs)
+
+
 def planned_outputs(cfg: RunConfig, run_dir: Path) -> list[Output]:
     """What merge, export and handoff will write, sized from the base model's safetensors headers; outputs
-    of stages this run already finished (a resumed run) are on disk already and not counted."""
-    from stages.modeldir import resolve_model_dir
+    of stages this run already finished (a resumed run) are on disk already and not counted.
 
+    Export quantizes each type with and without the importance matrix (export.imatrix) and deletes the farther of
+    the two once the fidelity gate has measured both. The hand-off links the run's files into the bundle where
+    handoff.dir shares artifacts_dir's filesystem (stages/handoff.py `place`: no bytes), copies them elsewhere; its
+    adapter proof converts the base model to a GGUF as large as the unquantized one, deleted once measured."""
     model_dir = resolve_model_dir(cfg.model.name_or_path)
     tensors = _tensors(model_dir)
     tokenizer = sum((model_dir / f).stat().st_size for f in TOKENIZER_FILES if (model_dir / f).is_file())
@@ -288,11 +317,35 @@ def planned_outputs(cfg: RunConfig, run_dir: Path) -> list[Output]:
     if not result_files.done(run_dir / "merge", "merge"):
         outs.append(Output("merged model", artifacts, _merged_bytes(model_dir, tensors) + tokenizer))
     quants = [Output(f"{q} GGUF", artifacts, gguf_bytes(tensors, q) + tokenizer) for q in cfg.export.quant_types]
+    unquantized = gguf_bytes(tensors, cfg.export.outtype) + tokenizer
+    adapter = _adapter_bytes(cfg, tensors) if cfg.handoff.adapter == "auto" else 0
+    from stages.export.stage import IMATRIX_QUANTS  # here: the export stage imports torch
     if not result_files.done(run_dir / "export", "export"):
-        outs.append(Output(f"{cfg.export.outtype} GGUF", artifacts, gguf_bytes(tensors, cfg.export.outtype) + tokenizer))
+        outs.append(Output(f"{cfg.export.outtype} GGUF", artifacts, unquantized))
         outs += quants
-    outs += [Output(f"bundle copy of the {o.what}", handoff, o.bytes) for o in quants]
+        if cfg.export.imatrix != "off":
+            outs += [Output(f"{o.what} with the other weighting", artifacts, o.bytes, freed="after the fidelity gate")
+                     for o, q in zip(quants, cfg.export.quant_types, strict=True) if q in IMATRIX_QUANTS]
+    if adapter:
+        outs += [Output("the adapter proof's base GGUF", artifacts, unquantized, freed="after the adapter proof", optional=True),
+                 Output("the adapter GGUF", artifacts, adapter // 3, optional=True)]
+    if errors.Filesystem.of(handoff).device != errors.Filesystem.of(artifacts).device:  # one filesystem: linked, no bytes
+        outs += [Output(f"bundle copy of the {o.what}", handoff, o.bytes) for o in quants]
+        outs += [Output("bundle copy of the adapter (PEFT and GGUF)", handoff, adapter, optional=True)] if adapter else []
     return outs
+
+
+def _adapter_bytes(cfg: RunConfig, tensors: dict[str, tuple[list[int], str]]) -> int:
+    """The adapter's PEFT file (float32) and its GGUF (16-bit): r x (rows + columns) per adapted matrix, 6 bytes each."""
+    wanted = cfg.lora.target_modules
+    n = 0
+    for name, (shape, _dtype) in tensors.items():
+        module = name.rsplit(".", 2)[-2] if name.count(".") >= 2 else ""
+        if len(shape) != 2 or not name.endswith(".weight") or "layers." not in name:
+            continue
+        if wanted == "all-linear" or module in wanted:
+            n += cfg.lora.r * (shape[0] + shape[1])
+    return 6 * n
 
 
 def gguf_bytes(tensors: dict[str, tuple[list[int], str]], kind: str) -> int:

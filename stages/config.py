@@ -445,7 +445,13 @@ class PromotionSection(Section):
 
 class HandoffSection(Section):
     dir: Path = Field(Path("artifacts/handoff"), description="Bundles go to <dir>/<model_name>/<version>/.")
-    model_name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", description="Name the serving team knows the model by.")
+    model_name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", description="Name the serving team knows the model by "
+                            "(also each GGUF's general.name).")
+    adapter: Literal["auto", "off"] = Field("auto", description="auto: the bundle also holds the LoRA adapter for servers that "
+                                            "hot-swap it (adapter/ in PEFT format, and an adapter GGUF from llama.cpp's "
+                                            "convert_lora_to_gguf.py), where llama.cpp proves the base GGUF with it is the merged "
+                                            "model (KL and top-1 as export.fidelity holds the merged files, then served through "
+                                            "llama.cpp's server); else the manifest says why it is not there. off: merged GGUFs only.")
     promotion: PromotionSection = PromotionSection()
 
 

@@ -11,6 +11,10 @@
                           turn, if the chat template has one), stop tokens
         README.md         the model card
         comparison.md     the champion/challenger table against the bundle `latest` pointed at (.json too)
+        adapter_config.json, adapter_model.safetensors, adapter-f16.gguf
+                          the LoRA adapter (PEFT, and llama.cpp's adapter GGUF) for servers that hot-swap it, where
+                          llama.cpp proved the base GGUF with it is the merged model (handoff.adapter: auto,
+                          stages/export/adapter.py); manifest.json's adapter.hot_swap has the figures, or why not
     artifacts/handoff/<model_name>/latest -> <version>, when the bundle is no worse than what it pointed at
                                              (stages/champion.py); a worse one stays a candidate
 
@@ -41,7 +45,7 @@ from stages.artifact import Artifact
 from stages.checksums import sha256_dir, sha256_file
 from stages.config import RunConfig
 from stages.errors import DiskFull, RunError
-from stages.export import modelcard, quant_types
+from stages.export import adapter, modelcard, quant_types
 from stages.memory import MemoryReport, track
 from stages.modeldir import resolve_model_dir
 
@@ -83,6 +87,7 @@ def run(
     merge: dict | None = None,
     extra: dict | None = None,
     extra_files: list[Path] = (),
+    merged_gguf: Path | None = None,
 ) -> HandoffResult:
     """Publish <handoff.dir>/<model_name>/<version>/ atomically and point `latest` at it.
 
@@ -96,6 +101,8 @@ def run(
         merge: what the adapter was merged into and the KL of each choice.
         extra: anything else for the manifest (e.g. the Prefect flow-run id).
         extra_files: other files for the bundle, placed and checksummed as the GGUFs are (the importance matrix).
+        merged_gguf: the merged model in export.outtype, what the adapter is proven against (handoff.adapter: auto,
+            stages/export/adapter.py); without it the bundle holds no adapter and the manifest says so.
     """
     root = Path(cfg.handoff.dir) / cfg.handoff.model_name
     final = root / paths.check_run_id(version)
@@ -108,20 +115,17 @@ def run(
     for stale in root.glob(f".{version}.*"):  # what a killed earlier attempt of this version left
         shutil.rmtree(stale, ignore_errors=True)
     with track("handoff", out_dir, gpu=False) as meter:
+        proof = hot_swap(cfg, adapter_dir, merged_gguf, Path(out_dir) / "adapter", meter)
         tmp = Path(tempfile.mkdtemp(prefix=f".{version}.", dir=root))
         try:
-            names = []
-            placed = {}
-            for src in [Path(p) for _quant, p in gguf_files] + [Path(p) for p in extra_files]:
-                dst = tmp / src.name
-                placed[dst.name] = place(src, dst)
-                names.append(dst.name)
-                errors.inject("handoff-copy", dst)
+            placed = place_all([Path(p) for _quant, p in gguf_files] + [Path(p) for p in extra_files], proof.files, tmp)
+            names = list(placed)
             sums = {n: sha256_file(tmp / n) for n in names}
             serving = _serving(cfg, gguf_files[0][1])
             manifest = _manifest(cfg, version, gguf_files, sums, adapter_dir, data_fingerprint, smoke, memory,
                                  {"fidelity": fidelity or [], "merge": merge or {}, "stop_tokens": serving["stops"], "placed": placed,
                                   "held_out_fingerprint": champion.held_out_fingerprint(cfg)} | (extra or {}))
+            manifest["adapter"]["hot_swap"] = proof.record
             verdict = (champion.compare(cfg, json.loads(json.dumps(manifest, default=str)), champion.champion_of(root))
                        if cfg.handoff.promotion.compare else champion.Verdict(None, True))
             manifest["promotion"] = {"promoted": verdict.promote, "champion": verdict.champion, "worse": verdict.reason}
@@ -140,7 +144,7 @@ def run(
         except BaseException as e:
             shutil.rmtree(tmp, ignore_errors=True)
             if isinstance(e, OSError) and e.errno == errno.ENOSPC:
-                need = sum(Path(p).stat().st_size for _q, p in gguf_files)
+                need = sum(Path(p).stat().st_size for _q, p in gguf_files) + sum(p.stat().st_size for _n, p in proof.files)
                 fs = errors.Filesystem.of(root)
                 raise DiskFull(errno.ENOSPC, f"disk full while writing the bundle under {root.resolve()} (it needs {errors.gib(need)}; "
                                f"the filesystem mounted at {fs.mount} has {fs.describe()}); nothing was published and `latest` "
@@ -149,6 +153,25 @@ def run(
         if verdict.promote:
             _point_latest(root, version)
     return HandoffResult(final, final / "manifest.json", version, names, meter.report, verdict.promote, verdict.markdown())
+
+
+def place_all(files: list[Path], named: list[tuple[str, Path]], bundle: Path) -> dict[str, str]:
+    """`files` under their own names and `named` (name in the bundle, file) placed into `bundle`: name -> how (`place`)."""
+    placed = {}
+    for name, src in [(f.name, f) for f in files] + named:
+        placed[name] = place(src, bundle / name)
+        errors.inject("handoff-copy", bundle / name)
+    return placed
+
+
+def hot_swap(cfg: RunConfig, adapter_dir: Path, merged_gguf: Path | None, work_dir: Path, meter) -> adapter.Proof:
+    """The adapter's files for the bundle, proven (handoff.adapter: auto), or why there are none."""
+    if cfg.handoff.adapter == "off":
+        return adapter.Proof({"shipped": False, "reason": "handoff.adapter: off"})
+    if merged_gguf is None or not Path(merged_gguf).is_file():
+        return adapter.Proof.not_shipped(f"the hand-off was given no merged GGUF in export.outtype ({merged_gguf or 'none'}) to prove "
+                                         "the adapter against")
+    return adapter.prove(cfg, adapter_dir, Path(merged_gguf), work_dir, meter)
 
 
 def from_stages(cfg: RunConfig, run_id: str, data_fingerprint: str, flow_run_id: str | None, pre: PreflightResult,
@@ -169,7 +192,7 @@ def from_stages(cfg: RunConfig, run_id: str, data_fingerprint: str, flow_run_id:
     return run(cfg, run_id, ex.gguf_files(), out_dir, adapter_dir=tr.adapter_dir, data_fingerprint=data_fingerprint,
                smoke=smoke_figures(sm), memory=stage_memory(pre, tr, mg, ex, sm), fidelity=ex.fidelity_table(),
                merge={"base": mg.base, "save_dtype": mg.save_dtype, "kl": mg.kl},
-               extra_files=[Path(imat["file"])] if imat and imat.get("used_by") else [],
+               extra_files=[Path(imat["file"])] if imat and imat.get("used_by") else [], merged_gguf=ex.base_gguf,
                extra={"prefect_flow_run_id": flow_run_id, "imatrix": imat and {**imat, "file": Path(imat["file"]).name},
                       "train": {"steps": tr.steps, "first_loss": tr.first_loss, "final_loss": tr.final_loss, "fit": tr.fit,
                                 "best_eval_loss": tr.best_eval_loss}})
@@ -264,25 +287,43 @@ def _fallbacks(quant: str, gguf: Path) -> dict:
 
 
 def _serving(cfg: RunConfig, gguf: Path) -> dict:
-    """Chat template, BOS/EOS and stop strings, as the GGUF holds them (export checked they equal the HF tokenizer's).
-
-    The stops are every token llama.cpp itself ends a generation at (its end-of-generation set: EOS, and the end of a
-    turn such as Gemma's <end_of_turn>, which is not the EOS), so Ollama and other servers stop where llama.cpp does."""
+    """Chat template, BOS/EOS and stop strings, as the GGUF holds them (export checked they equal the HF tokenizer's)."""
     from stages.export import llamacpp
     from stages.export.llamacpp_process import LlamaProcess
     from stages.modelio import load_tokenizer
 
     tok = load_tokenizer(cfg.model)
     f = llamacpp.read_gguf(gguf)["fields"]
+    template = f.get("tokenizer.chat_template") or tok.chat_template
     with LlamaProcess(gguf.name) as vocab:
         vocab.call("load", str(gguf), vocab_only=True)
-        stops = vocab.call("end_of_generation")
+        stops = stop_tokens(vocab, tok, template, resolve_model_dir(cfg.model.name_or_path))
         add_bos = f.get("tokenizer.ggml.add_bos_token")
         if add_bos is None:  # llama.cpp's default depends on the tokenizer (SentencePiece yes, SmolLM's BPE no): ask it
             add_bos = vocab.call("add_bos")
-    return {"template": f.get("tokenizer.chat_template") or tok.chat_template, "bos_token": tok.bos_token or "",
-            "eos_token": tok.eos_token or "", "stops": list(dict.fromkeys(s for s in [*stops, tok.eos_token] if s)),
+    return {"template": template, "bos_token": tok.bos_token or "", "eos_token": tok.eos_token or "", "stops": stops,
             "add_bos": bool(add_bos)}
+
+
+def stop_tokens(vocab, tok, template: str, model_dir: Path) -> list[str]:
+    """The model's end-of-generation tokens, end of turn first: the special token the chat template closes an
+    assistant turn with ("<|im_end|>", Gemma's "<end_of_turn>", "</s>"), the tokenizer's EOS and generation_config.json's
+    eos_token_id(s); each only if the GGUF's vocabulary (`vocab`, loaded in a llama.cpp process) has it as one token.
+
+    Not llama.cpp's own end-of-generation set: it takes any token whose text is "</s>", "<|endoftext|>", a FIM marker...
+    and Qwen's byte-level vocabulary has "</s>" as plain text (token 128247), which a stop string would then cut out of
+    any answer that writes HTML's strike-through end tag."""
+    turn_end = modelcard.assistant_turn_end(template, tok.bos_token or "", tok.eos_token or "")
+    end_of_turn = vocab.call("special_tokens", [turn_end])[0][:1] if turn_end else []
+    try:
+        gen = json.loads((Path(model_dir) / "generation_config.json").read_text(encoding="utf-8")).get("eos_token_id")
+    except (OSError, ValueError):
+        gen = None
+    eos_ids = [gen] if isinstance(gen, int) else [i for i in gen or [] if isinstance(i, int)]
+    declared = [tok.eos_token, *(tok.convert_ids_to_tokens(i) for i in eos_ids if i < len(tok))]
+    candidates = list(dict.fromkeys(t for t in [*end_of_turn, *declared] if t))
+    pieces = vocab.call("tokenize", candidates)
+    return [t for t, ids in zip(candidates, pieces, strict=True) if len(ids) == 1]
 
 
 def _versions() -> dict:

@@ -322,8 +322,29 @@ def test_outputs_of_finished_stages_are_not_counted_again(tmp_path):
     assert "merged model" in {o.what for o in checks.planned_outputs(cfg, run)}
     (run / "merge" / "model" / "config.json").write_text("{}")
     after = {o.what for o in checks.planned_outputs(cfg, run)}
-    assert before - after == {"merged model", "f16 GGUF", "Q4_K_M GGUF", "Q5_K_S GGUF"}
-    assert after == {"bundle copy of the Q4_K_M GGUF", "bundle copy of the Q5_K_S GGUF"}
+    assert before - after == {"merged model", "f16 GGUF", "Q4_K_M GGUF", "Q5_K_S GGUF", "Q4_K_M GGUF with the other weighting",
+                              "Q5_K_S GGUF with the other weighting"}
+    assert after == {"the adapter proof's base GGUF", "the adapter GGUF"}  # the hand-off's; the bundle links, on this filesystem
+
+
+def test_the_disk_peak_counts_what_export_and_hand_off_delete_only_until_they_do(tmp_path, capsys):
+    """The candidates export quantizes with the other weighting live until the fidelity gate keeps the closer, the
+    adapter proof's base GGUF until it is measured: the peak is what stays plus the larger of the two, not their sum;
+    the bundle links the run's files (one filesystem here) and adds nothing. The preflight says each part and when it
+    is freed."""
+    cfg = load_config(write_config(tmp_path))
+    outs = {o.what: o for o in checks.planned_outputs(cfg, tmp_path / "run")}
+    stays = sum(o.bytes for o in outs.values() if not o.freed)
+    assert outs["Q4_K_M GGUF with the other weighting"].freed == "after the fidelity gate"
+    proof = outs["the adapter proof's base GGUF"]
+    assert proof.freed == "after the adapter proof" and proof.optional and proof.bytes == outs["f16 GGUF"].bytes
+    assert checks.peak(list(outs.values())) == stays + proof.bytes  # larger than both candidates together
+    assert not any(w.startswith("bundle copy") for w in outs)
+    checks.disk(cfg, tmp_path / "run")
+    line = capsys.readouterr().out
+    assert "the export and the hand-off peak at 13.0 MiB" in line and "the adapter proof's base GGUF 3.4 MiB (freed after the adapter proof; left out where it does not fit)" in line
+    off = load_config(write_config(tmp_path, handoff={"adapter": "off"}, export={"imatrix": "off"}))
+    assert checks.peak(checks.planned_outputs(off, tmp_path / "run")) == sum(o.bytes for o in outs.values() if not o.freed and not o.optional)
 
 
 def _in_namespace(script: str, tmp_path: Path) -> subprocess.CompletedProcess:
@@ -374,8 +395,10 @@ def test_the_disk_check_refuses_a_filesystem_too_small(tmp_path):
     )
     p = _in_namespace(f"{sys.executable} -c {_quote(code)}", tmp_path)
     small = tmp_path / "small"
-    assert p.stdout.startswith(f"the export and the bundle will need about 2.3 MiB on the filesystem mounted at {small} (handoff.dir "
-                               f"{small / 'handoff'}), which has 1.0 MiB free of 1.0 MiB: bundle copy of the Q4_K_M GGUF"), p.stdout + p.stderr
+    refusal = p.stdout.strip().splitlines()[-1] if p.stdout.strip() else ""
+    assert refusal.startswith(f"the export and the bundle will need about 2.3 MiB on the filesystem mounted at {small} (handoff.dir "
+                              f"{small / 'handoff'}), which has 1.0 MiB free of 1.0 MiB: bundle copy of the Q4_K_M GGUF"), p.stdout + p.stderr
+    assert "adapter" not in refusal  # the adapter's copy is left out where it does not fit: it stops no run
 
 
 def _quote(code: str) -> str:

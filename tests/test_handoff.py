@@ -13,9 +13,9 @@ from stages.errors import RunError
 from tests.conftest import write_config
 
 
-def gguf(tmp_path, name, payload: bytes, extra_tokens: tuple[str, ...] = ()):
-    """A real (tiny) GGUF: the tiny model's vocabulary (plus `extra_tokens`, as control tokens), chat template and
-    special ids, one tensor holding `payload`."""
+def gguf(tmp_path, name, payload: bytes, extra_tokens: tuple[str, ...] = (), template: str | None = None):
+    """A real (tiny) GGUF: the tiny model's vocabulary (plus `extra_tokens`, as control tokens), chat template (or
+    `template`) and special ids, one tensor holding `payload`."""
     import numpy as np
     from gguf import GGUFWriter
 
@@ -29,7 +29,7 @@ def gguf(tmp_path, name, payload: bytes, extra_tokens: tuple[str, ...] = ()):
     w.add_token_list(tok.convert_ids_to_tokens(list(range(len(tok)))) + list(extra_tokens))
     w.add_token_scores([0.0] * (len(tok) + len(extra_tokens)))
     w.add_token_types([3 if i in tok.all_special_ids else 1 for i in range(len(tok))] + [3] * len(extra_tokens))  # CONTROL / NORMAL
-    w.add_chat_template(tok.chat_template)
+    w.add_chat_template(template or tok.chat_template)
     w.add_bos_token_id(tok.bos_token_id)
     w.add_eos_token_id(tok.eos_token_id)
     w.add_add_bos_token(True)
@@ -91,16 +91,42 @@ def test_bundle_has_a_modelfile_and_model_card_checked_by_sha256sums(tmp_path):
     subprocess.run(["sha256sum", "-c", "SHA256SUMS"], cwd=b.bundle_dir, check=True, capture_output=True)
 
 
+GEMMA_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<start_of_turn>{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n"
+                  "{{ m['content'] }}<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
+
+
 def test_the_bundle_stops_where_llama_cpp_stops_gemma_s_end_of_turn_included(tmp_path):
-    """Gemma ends a turn with <end_of_turn>, not its EOS: llama.cpp stops there (its end-of-generation set), and the
-    Modelfile and the model card must say so too, or Ollama answers run on past the turn."""
+    """Gemma ends a turn with <end_of_turn>, not its EOS: the chat template closes each turn with it, llama.cpp stops
+    there, and the Modelfile and the model card must say so too, or Ollama answers run on past the turn."""
     cfg = load_config(write_config(tmp_path))
-    b = publish(cfg, "v1", [("Q4_K_M", gguf(tmp_path, "model-Q4_K_M.gguf", b"one", extra_tokens=("<end_of_turn>",)))], tmp_path)
+    b = publish(cfg, "v1", [("Q4_K_M", gguf(tmp_path, "model-Q4_K_M.gguf", b"one", extra_tokens=("<start_of_turn>", "<end_of_turn>"),
+                                            template=GEMMA_TEMPLATE))], tmp_path)
     modelfile = (b.bundle_dir / "Modelfile").read_text()
     assert 'PARAMETER stop "<end_of_turn>"' in modelfile and 'PARAMETER stop "</s>"' in modelfile
     assert modelfile.index("<end_of_turn>") < modelfile.index('stop "</s>"')  # the end of turn first
     assert "Generation stops at: '<end_of_turn>', '</s>'." in (b.bundle_dir / "README.md").read_text()
     assert json.loads((b.bundle_dir / "manifest.json").read_text())["stop_tokens"] == ["<end_of_turn>", "</s>"]
+
+
+@pytest.mark.parametrize("asset, stops", [("tiny-llama", ["</s>"]), ("tiny-chatml", ["<|im_end|>"])])
+def test_the_modelfile_stops_at_exactly_the_model_s_end_of_generation_tokens(tmp_path, asset, stops):
+    """The stops are the token the chat template ends an assistant turn with and the EOS, each a token of the GGUF's
+    vocabulary (the one llama.cpp's converter makes from the model's own files), nothing else: on the ChatML model
+    not "<|endoftext|>" (its unknown token), which llama.cpp's end-of-generation set takes by its text alone, as it
+    takes Qwen's plain-text "</s>"."""
+    import shutil
+
+    from stages.export import llamacpp, vocab
+    from tests.conftest import REPO
+
+    model = REPO / "assets" / asset
+    cfg = load_config(write_config(tmp_path, model={"name_or_path": str(model)}))
+    served = tmp_path / "model-Q4_K_M.gguf"
+    shutil.copyfile(vocab.start(model, llamacpp.converter_dir()).wait(), served)  # a copy: the bundle links its GGUFs read-only
+    b = publish(cfg, "v1", [("Q4_K_M", served)], tmp_path)
+    lines = (b.bundle_dir / "Modelfile").read_text().splitlines()
+    assert [line for line in lines if line.startswith("PARAMETER stop")] == [f'PARAMETER stop "{s}"' for s in stops]
+    assert json.loads((b.bundle_dir / "manifest.json").read_text())["stop_tokens"] == stops
 
 
 def test_disk_full_mid_write_publishes_nothing(tmp_path, monkeypatch):

@@ -97,7 +97,8 @@ def test_bundle_checksums_verify_and_manifest_is_complete(e2e):
     result, _, flow_run_id = e2e
     bundle = Path(result["bundle"])
     subprocess.run(["sha256sum", "-c", "SHA256SUMS"], cwd=bundle, check=True, capture_output=True)
-    assert sorted(p.name for p in bundle.iterdir()) == ["Modelfile", "README.md", "SHA256SUMS", "comparison.json", "comparison.md",
+    assert sorted(p.name for p in bundle.iterdir()) == ["Modelfile", "README.md", "SHA256SUMS", "adapter-f16.gguf", "adapter_config.json",
+                                                        "adapter_model.safetensors", "comparison.json", "comparison.md",
                                                         "imatrix.gguf", "manifest.json", "model-Q4_K_M.gguf", "model-Q5_K_S.gguf"]
     m = json.loads((bundle / "manifest.json").read_text())
     assert m["prefect_flow_run_id"] == str(flow_run_id)
@@ -115,3 +116,17 @@ def test_bundle_checksums_verify_and_manifest_is_complete(e2e):
     adapter = m["adapter"]
     assert adapter["r"] == m["config"]["lora"]["r"] and "q_proj" in adapter["target_modules"] and adapter["target_parameters"] == []
     assert f"LoRA r {adapter['r']} (alpha {adapter['lora_alpha']}) on " in (bundle / "README.md").read_text()
+
+
+def test_the_bundle_s_ggufs_name_themselves(e2e):
+    """llama-server's /props, Ollama and model lists show general.name: the run's model name, not the merge directory's
+    "Model"; the base (a local directory here: no repo URL, and no card to give a license) is named beside it."""
+    result, _, _ = e2e
+    for name in ("model-Q4_K_M.gguf", "model-Q5_K_S.gguf"):
+        fields = llamacpp.read_gguf(Path(result["bundle"]) / name)["fields"]
+        assert {k: fields.get(k) for k in ("general.name", "general.basename", "general.finetune", "general.base_model.count",
+                                           "general.base_model.0.name", "general.base_model.0.repo_url", "general.license")} == {
+            "general.name": "tiny-llama-translate", "general.basename": "tiny-llama", "general.finetune": "tiny-llama-translate",
+            "general.base_model.count": 1, "general.base_model.0.name": "Tiny Llama", "general.base_model.0.repo_url": None,
+            "general.license": None}
+        assert fields["llama.context_length"] == 512  # the model's own: llama.cpp's "n_ctx_train (0)" came from vocabulary loads

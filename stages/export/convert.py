@@ -50,11 +50,13 @@ class Converted:
     pre_tokenizer: str | None = None  # set when it came from tokenizer.json, not the converter's table
 
 
-def convert(meter: memory.track, converter: Path, merged_dir: Path, dst: Path, outtype: str, *, source: Path | None = None) -> Converted:
+def convert(meter: memory.track, converter: Path, merged_dir: Path, dst: Path, outtype: str, *, source: Path | None = None,
+            metadata: Path | None = None, stage: str = "export") -> Converted:
     """convert_hf_to_gguf.py in a subprocess (its peak RSS is measured as the stage's child). `source`: the user's model
-    directory `merged_dir` was made from, named in a refusal (its files are the ones to change)."""
+    directory `merged_dir` was made from, named in a refusal (its files are the ones to change). `metadata`: a
+    `--metadata` override file (stages/export/naming.py), its `general.license` applied too."""
     tmp = dst.with_suffix(".gguf.partial")
-    cmd, env, pre = command(converter, merged_dir, tmp, "--outtype", outtype)
+    cmd, env, pre = command(converter, merged_dir, tmp, "--outtype", outtype, *(("--metadata", str(metadata)) if metadata else ()))
     proc = meter.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     out = proc.stdout or ""
     log = dst.with_suffix(".convert.log")
@@ -78,14 +80,15 @@ def convert(meter: memory.track, converter: Path, merged_dir: Path, dst: Path, o
     notable = [line for line in out.splitlines()
                if ("WARNING" in line or "ERROR" in line) and not any(h in line for h in handled)
                and line.strip() != "WARNING:hf-to-gguf:"]
-    print(summary(merged_dir, llamacpp.read_gguf(dst), dst, log, used), *notable, sep="\n")
+    print(summary(merged_dir, llamacpp.read_gguf(dst), dst, log, used, stage), *notable, sep="\n")
     return Converted(dst, log, used)
 
 
-def command(converter: Path, model_dir: Path, outfile: Path, *options: str) -> tuple[list[str], dict | None, str | None]:
-    """(argv, environment, pre-tokenizer named from tokenizer.json or None) of the converter on `model_dir`, through the
-    `python -m stages.export.convert` launcher."""
-    script = converter / "convert_hf_to_gguf.py"
+def command(converter: Path, model_dir: Path, outfile: Path, *options: str,
+            script: str = "convert_hf_to_gguf.py") -> tuple[list[str], dict | None, str | None]:
+    """(argv, environment, pre-tokenizer named from tokenizer.json or None) of the converter's `script` on `model_dir`,
+    through the `python -m stages.export.convert` launcher."""
+    script = converter / script
     args = [str(model_dir), "--outfile", str(outfile), *options]
     pre = pre_tokenizer(model_dir)
     env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
@@ -136,12 +139,12 @@ def probe(converter: Path) -> subprocess.Popen:
                             stderr=subprocess.STDOUT, text=True)
 
 
-def summary(merged_dir: Path, info: dict, dst: Path, log: Path, pre: str | None) -> str:
+def summary(merged_dir: Path, info: dict, dst: Path, log: Path, pre: str | None, stage: str = "export") -> str:
     """One line for the run's log: what came out, by tensor type, and where the per-tensor lines are."""
     f = info["fields"]
     types = ", ".join(f"{t} {n}" for t, n in llamacpp.type_counts(info).items())
     vocab = f"{f.get('tokenizer.ggml.model')}/{f.get('tokenizer.ggml.pre', '-')}" + (" (from tokenizer.json)" if pre else "")
-    return (f"export: converted {merged_dir.name} -> {dst.name}: {len(info['tensor_types'])} tensors ({types}), "
+    return (f"{stage}: converted {merged_dir.name} -> {dst.name}: {len(info['tensor_types'])} tensors ({types}), "
             f"{dst.stat().st_size / 2**20:.1f} MiB, vocab {f.get('tokenizer.ggml.tokens', {}).get('array_len')} {vocab}; "
             f"per-tensor log {log.name}")
 
@@ -185,7 +188,11 @@ def _launch(pre: str, script: Path, args: list[str]) -> None:
     """Run the converter script as its own __main__, naming `pre` (if any) only where its table does not know the
     tokenizer, and converting no multi-token-prediction layers: transformers drops them at load (Qwen3-Next's mtp.*,
     DeepSeek's and GLM's NextN layers), so a merged model never has them, and the converter would assert it must
-    (its --no-mtp, refused by classes without MTP, hence the class default)."""
+    (its --no-mtp, refused by classes without MTP, hence the class default).
+
+    `--metadata FILE` (stages/export/naming.py) names the GGUF, for convert_lora_to_gguf.py too, which has no such
+    option (the launcher takes it out of its arguments and hands the file to gguf-py as convert_hf_to_gguf.py does)."""
+    metadata = _metadata_option(args, keep=script.name != LORA_SCRIPT)
     sys.argv = [str(script), *args]
     sys.path[:0] = [str(script.parent)]  # what running the script directly puts first
     if "NO_LOCAL_GGUF" not in os.environ:
@@ -193,6 +200,8 @@ def _launch(pre: str, script: Path, args: list[str]) -> None:
     from conversion.base import ModelBase, TextModel
 
     ModelBase.no_mtp = True
+    if metadata is not None:
+        _names_from(metadata)
     if not pre:
         runpy.run_path(str(script), run_name="__main__")
         return
@@ -208,6 +217,37 @@ def _launch(pre: str, script: Path, args: list[str]) -> None:
 
     TextModel.get_vocab_base_pre = get_vocab_base_pre
     runpy.run_path(str(script), run_name="__main__")
+
+
+LORA_SCRIPT = "convert_lora_to_gguf.py"
+
+
+def _metadata_option(args: list[str], keep: bool) -> Path | None:
+    """The file of a `--metadata FILE` in `args`; taken out of them unless `keep`."""
+    if "--metadata" not in args:
+        return None
+    i = args.index("--metadata")
+    path = Path(args[i + 1])
+    if not keep:
+        del args[i:i + 2]
+    return path
+
+
+def _names_from(path: Path) -> None:
+    """gguf-py's Metadata.load with `path` as the override file wherever the script passed none, and its
+    `general.license` applied: gguf-py reads the license only from a model card's front matter, and the merged
+    directory has no card."""
+    import gguf
+
+    load = gguf.Metadata.load
+    given = json.loads(path.read_text(encoding="utf-8"))
+
+    def load_named(metadata_override_path=None, model_path=None, model_name=None, total_params=0):
+        meta = load(metadata_override_path or path, model_path, model_name, total_params)
+        meta.license = given.get("general.license", meta.license)
+        return meta
+
+    gguf.Metadata.load = staticmethod(load_named)
 
 
 if __name__ == "__main__":

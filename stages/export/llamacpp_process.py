@@ -128,8 +128,40 @@ def _load(path: str, **kwargs) -> dict:
         _llm.close()
     if kwargs.get("n_gpu_layers") == "all":
         kwargs["n_gpu_layers"] = -1 if _gpu_offload() else 0
+    if kwargs.get("vocab_only"):
+        _llm = _Vocab(path)
+        return {"n_vocab": _llm.n_vocab(), "n_ctx": 0}
     _llm = llama_cpp.Llama(model_path=path, verbose=VERBOSE, **kwargs)
     return {"n_vocab": _llm.n_vocab(), "n_ctx": _llm.n_ctx()}
+
+
+class _Vocab:
+    """A GGUF's vocabulary alone: what tokenizing, pieces, BOS and the end-of-generation set need, and no context.
+
+    llama_cpp.Llama(vocab_only=True) still builds a 512-token context for a model whose hyperparameters it never read
+    (n_ctx_train 0): llama.cpp then warned "n_ctx_seq (512) > n_ctx_train (0) -- possible training context overflow" at
+    every vocabulary check (the preflight's, export's, the hand-off's), about a context nothing uses."""
+
+    def __init__(self, path: str) -> None:
+        import llama_cpp
+        from llama_cpp import _internals
+
+        params = llama_cpp.llama_model_default_params()
+        params.vocab_only = True
+        self._model = _internals.LlamaModel(path_model=path, params=params, verbose=VERBOSE)
+        self.model = self._model.model
+
+    def n_vocab(self) -> int:
+        return self._model.n_vocab()
+
+    def tokenize(self, text: bytes, add_bos: bool = True, special: bool = False) -> list[int]:
+        return self._model.tokenize(text, add_bos, special)
+
+    def detokenize(self, ids: list[int]) -> bytes:
+        return self._model.detokenize(ids)
+
+    def close(self) -> None:
+        self._model.close()
 
 
 def _gpu_offload() -> bool:
@@ -168,6 +200,21 @@ def _end_of_generation() -> list[str]:
     return [llama_cpp.llama_vocab_get_text(vocab, t).decode(errors="replace") for t in ids]
 
 
+def _special_tokens(texts: list[str]) -> list[list[str]]:
+    """Per text, the text of each special token in it (llama.cpp's CONTROL or USER_DEFINED tokens, as the vocabulary
+    parses them with special tokens on), in order: "<|im_end|>" of a ChatML turn's end "<|im_end|>\\n"."""
+    import llama_cpp
+
+    vocab = llama_cpp.llama_model_get_vocab(_llm.model)
+    special = llama_cpp.LLAMA_TOKEN_ATTR_CONTROL | llama_cpp.LLAMA_TOKEN_ATTR_USER_DEFINED
+    out = []
+    for text in texts:
+        ids = _llm.tokenize(text.encode(), add_bos=False, special=True)
+        out.append([llama_cpp.llama_vocab_get_text(vocab, t).decode(errors="replace") for t in ids
+                    if llama_cpp.llama_vocab_get_attr(vocab, t) & special])
+    return out
+
+
 def _pieces(ids: list[int]) -> list[str]:
     return [_llm.detokenize([t]).decode(errors="replace") for t in ids]
 
@@ -193,7 +240,7 @@ def _signal_name(n: int) -> str:
 
 # VmHWM, not ru_maxrss: the latter starts at the (torch) parent's peak, inherited across fork and exec.
 WORKER = {"load": _load, "gpu_offload": _gpu_offload, "scores": _scores, "tokenize": _tokenize, "pieces": _pieces, "add_bos": _add_bos,
-          "end_of_generation": _end_of_generation,
+          "end_of_generation": _end_of_generation, "special_tokens": _special_tokens,
           "chat": _chat, "peak_rss_gib": memory.peak_rss_gib}
 
 

@@ -119,6 +119,17 @@ def turn_template(template: str, bos_token: str, eos_token: str, *, strip_bos: b
     return tt
 
 
+def assistant_turn_end(template: str, bos_token: str, eos_token: str) -> str | None:
+    """The text the chat template puts after an assistant message's content ("<|im_end|>\\n", "<end_of_turn>\\n",
+    "</s>"): where the model learned to end its turn. None when the template renders no assistant turn."""
+    msgs = [{"role": "user", "content": U}, {"role": "assistant", "content": A}]
+    try:
+        text = render(template, msgs, add_generation_prompt=False, bos_token=bos_token, eos_token=eos_token)
+    except TemplateError:
+        return None
+    return text[text.index(A) + len(A):] if A in text else None
+
+
 def _split_default(s_head: str, head: str, u_pre: str) -> tuple[str, str]:
     """(prefix, default system text) for a template that renders `head` with no system message and `s_head` before
     a system message's content. Any split inside their common start renders the same conversations; the one
@@ -193,6 +204,37 @@ def _adapted(adapter: dict) -> list[str]:
     return [line + "."]
 
 
+def adapter_lines(manifest: dict) -> list[str]:
+    """How to serve the fine-tune as the base plus its adapter, with the figures that proved it; or why the bundle has
+    no adapter (manifests written before it was handed off say nothing)."""
+    proof = (manifest.get("adapter") or {}).get("hot_swap")
+    if not proof:
+        return []
+    head = ["", "## The adapter, for servers that hot-swap", ""]
+    if not proof.get("shipped"):
+        return head + [f"Not in this bundle: {proof.get('reason')}. Serve the merged GGUFs above."]
+    base, parity, served = proof["base_gguf"], proof["parity"], proof.get("served") or {}
+    name, base_name = manifest["model_name"], manifest["base_model"]["name_or_path"]
+    return head + [
+        f"`{proof['gguf']}` (llama.cpp's `convert_lora_to_gguf.py`, LoRA alpha {proof.get('gguf_lora_alpha')}) and "
+        f"`{'` + `'.join(proof['peft'])}` (PEFT: this folder is the adapter directory) apply this fine-tune to the base "
+        f"`{base_name}` at serve time, for servers that keep one base and swap fine-tunes.",
+        f"Proven before it shipped: llama.cpp on the base converted to {base['outtype']} by {base['made_by']} (sha256 "
+        f"`{base['sha256'][:16]}…`), with the adapter applied, against the merged `{parity['against']}` on {parity['positions']} "
+        f"held-out positions: mean KL {parity['mean_kl']}, top-1 {parity['top1_agreement']:.1%} (limits {parity['max_mean_kl']} / "
+        f"{parity['min_top1']:.0%}); served through llama.cpp's server with the adapter: {served.get('passed')}/"
+        f"{served.get('n_prompts')} held-out prompts passed.",
+        "",
+        "```bash",
+        f"python convert_hf_to_gguf.py {base_name} --outtype {base['outtype']} --outfile base-{base['outtype']}.gguf   # the base, once",
+        f"llama-server -m base-{base['outtype']}.gguf --lora {proof['gguf']}   # or --lora-init-without-apply and choose per request",
+        f"vllm serve {base_name} --enable-lora --lora-modules {name}=.   # in this folder",
+        "```",
+        "",
+        "The Modelfile stays on the merged GGUF (Ollama is reported to refuse ADAPTER lines since its September release).",
+    ]
+
+
 def readme(manifest: dict, modelfile_template: TurnTemplate | None) -> str:
     """The model card: what this is, how it was made and checked, how to run it."""
     files = manifest["files"]
@@ -254,6 +296,7 @@ def readme(manifest: dict, modelfile_template: TurnTemplate | None) -> str:
               if modelfile_template.default_system else ".")
            if modelfile_template else "The Modelfile leaves TEMPLATE to the one stored in the GGUF."),
         f"Generation stops at: {', '.join(repr(s) for s in manifest.get('stop_tokens', []))}.",
+        *adapter_lines(manifest),
         "",
         "## How it was made",
         "",

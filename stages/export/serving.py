@@ -54,13 +54,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def ask(gguf: Path, s: SmokeSection, prompts: list, *, n_gpu_layers: int, log: Path) -> Served:
-    """Start `llama_cpp.server` on the GGUF, ask every held-out prompt through `openai`'s chat completions, stop it."""
+def ask(gguf: Path, s: SmokeSection, prompts: list, *, n_gpu_layers: int, log: Path, lora: Path | None = None) -> Served:
+    """Start `llama_cpp.server` on the GGUF (with the adapter GGUF `lora` applied, as `llama-server --lora` does), ask
+    every held-out prompt through `openai`'s chat completions, stop it."""
     import openai
 
     port = free_port()
     cmd = [sys.executable, "-P", "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1", "--port", str(port),
-           "--n_ctx", str(s.n_ctx), "--n_gpu_layers", str(n_gpu_layers), "--seed", "0"]
+           "--n_ctx", str(s.n_ctx), "--n_gpu_layers", str(n_gpu_layers), "--seed", "0", *(("--lora_path", str(lora)) if lora else ())]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "PYTHONPATH"))}  # torch-free, Prefect-free
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("w") as out:

@@ -33,13 +33,14 @@ from stages import data, errors, inputs, memory, result_files
 from stages.artifact import Artifact
 from stages.config import QUANT_FTYPES, RunConfig
 from stages.errors import MissingInput
-from stages.export import convert, fidelity, imatrix, llamacpp, quant_types, vocab
+from stages.export import convert, fidelity, imatrix, llamacpp, naming, quant_types, vocab
 from stages.export.llamacpp_process import LlamaProcess
 from stages.memory import MemoryReport
 from stages.modeldir import resolve_model_dir
 from stages.modelio import load_tokenizer
 
 IMATRIX_FILE = "imatrix.gguf"
+NAMES_FILE = "gguf-names.json"  # the converter's --metadata override (stages/export/naming.py), kept with the run
 # Types whose quantization reads an importance matrix and whose type rule does not depend on having one
 # (Q8_0 ignores it; Q4_0/Q5_0 would change the first ffn_down layers' types).
 IMATRIX_QUANTS = {"Q4_K_M", "Q4_K_S", "Q5_K_S", "Q5_K_M", "Q6_K"}
@@ -106,10 +107,16 @@ def run(cfg: RunConfig, merged_dir: Path, out_dir: Path) -> ExportResult:
 
     with memory.track("export", out_dir) as meter, _no_partial_files(out_dir):
         base = out_dir / f"model-{cfg.export.outtype}.gguf"
-        converted = convert.convert(meter, converter, merged_dir, base, cfg.export.outtype, source=model_dir)
+        names = naming.override(cfg.handoff.model_name, cfg.model.name_or_path, model_dir)
+        (out_dir / NAMES_FILE).write_text(json.dumps(names, indent=2))
+        converted = convert.convert(meter, converter, merged_dir, base, cfg.export.outtype, source=model_dir,
+                                    metadata=out_dir / NAMES_FILE)
         lap(f"convert_{cfg.export.outtype}")
         rows = json.loads((merged_dir / "config.json").read_text()).get("vocab_size")
-        checks = {"base": vocab.check_metadata(llamacpp.read_gguf(base), tokenizer, rows, base.name, model_dir)}
+        info = llamacpp.read_gguf(base)
+        checks = {"base": vocab.check_metadata(info, tokenizer, rows, base.name, model_dir),
+                  "names": naming.check(info, names, base.name)}
+        print("export: the GGUFs name themselves: " + ", ".join(f"{k} {v!r}" for k, v in checks["names"].items()))
         texts = data.held_out_texts(cfg, tokenizer, 20)
         if converted.pre_tokenizer:  # named from tokenizer.json, not recognized by the converter: prove it on its probe text
             texts.append(convert.probe_text(converter))
@@ -232,6 +239,7 @@ def quantize_one(quant: str, base: Path, out_dir: Path, tokenizer, rows: int | N
     info = llamacpp.read_gguf(tmp)
     fallbacks = check_quant_types(info, quant, tmp)
     checks[quant if means is None else f"{quant}-imatrix"] = vocab.check_metadata(info, tokenizer, rows, path.name, model_dir)
+    naming.check(info, checks["names"], path.name)  # the quantizer copies every key: proven per file
     tmp.rename(path)
     f = GgufFile(quant, path, QUANT_FTYPES[quant], round(path.stat().st_size / 2**20, 3), llamacpp.type_counts(info),
                  sum(fallbacks.values()), fallbacks, imatrix=means is not None)
