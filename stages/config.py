@@ -394,6 +394,17 @@ class ExportSection(Section):
     imatrix_tokens: int = Field(16384, gt=0, description="Training tokens the importance matrix is computed on (export.imatrix: auto).")
     fidelity: FidelitySection = FidelitySection()
 
+    @field_validator("quant_types")
+    @classmethod
+    def _each_type_once(cls, v: list[str]) -> list[str]:
+        # two entries of one type are one output file: the second overwrites the first, and the export's cleanup of
+        # one removes the other's file, after training
+        repeated = [q for q in dict.fromkeys(v) if v.count(q) > 1]
+        if repeated:
+            raise ValueError(f"{', '.join(repeated)} listed more than once ({v}); each type makes one GGUF file: remove the "
+                             f"repeat (quant_types: [{', '.join(dict.fromkeys(v))}])")
+        return v
+
     @model_validator(mode="after")
     def _known_quants(self) -> ExportSection:
         bad = [q for q in self.quant_types if q not in QUANT_FTYPES]
