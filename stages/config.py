@@ -102,6 +102,12 @@ class DataSection(Section):
         "error", description="What to do with a sample longer than max_length: stop with its id "
         "(error), cut it (truncate), or leave it out (drop). Every affected id is reported."
     )
+    special_tokens_in_content: Literal["error", "plain"] = Field(
+        "error", description="Message text that holds the tokenizer's special-token text (`</s>`, ChatML's end-of-turn token: pasted "
+        "chat logs, data made for another template), which the tokenizer would read as control tokens (a turn ending mid-answer, a second "
+        "turn inside one). error: stop, naming each sample by file:line and the tokens. plain: encode that text as plain text "
+        "(the tokenizer's split_special_tokens), so that only the chat template makes control tokens."
+    )
 
     @model_validator(mode="after")
     def _one_training_input(self) -> DataSection:
