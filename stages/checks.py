@@ -112,11 +112,18 @@ def served_tokenizer(cfg: RunConfig, tokenizer, gguf: Path, model_dir: Path) -> 
     rows = json.loads((model_dir / "config.json").read_text(encoding="utf-8")).get("vocab_size")
     what = f"the GGUF vocabulary llama.cpp's converter makes from {model_dir}"
     vocab.check_metadata(info, tokenizer, rows, what, model_dir)
-    texts = data.held_out_texts(cfg, tokenizer, SAMPLE_TEXTS)
-    texts += [data.chat_text(s, tokenizer) for s in data.train_samples(cfg)[:SAMPLE_TEXTS]]
+    texts = [data.chat_text(s, tokenizer) for s in _ordinary(data.held_out(cfg, 2 * SAMPLE_TEXTS), tokenizer)[:SAMPLE_TEXTS]]
+    texts += [data.chat_text(s, tokenizer) for s in _ordinary(data.train_samples(cfg)[:2 * SAMPLE_TEXTS], tokenizer)[:SAMPLE_TEXTS]]
     if gguf_convert.pre_tokenizer(model_dir):
         texts.append(gguf_convert.probe_text(llamacpp.converter_dir()))
     vocab.check_tokenization(gguf, tokenizer, [t for t in texts if t], what, model_dir)
+
+
+def _ordinary(samples: list[data.Sample], tokenizer) -> list[data.Sample]:
+    """Samples without special-token text in their messages: the preflight refused such text or (data.special_tokens_in_content:
+    plain) training encodes it as plain text, which the whole text tokenized here, by either tokenizer, would not be."""
+    pattern = data.special_pattern(tokenizer)
+    return [s for s in samples if not (pattern and any(pattern.search(m["content"]) for m in s.messages))]
 
 
 # --- trackers ---------------------------------------------------------------------------------

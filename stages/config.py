@@ -102,6 +102,12 @@ class DataSection(Section):
         "error", description="What to do with a sample longer than max_length: stop with its id "
         "(error), cut it (truncate), or leave it out (drop). Every affected id is reported."
     )
+    special_tokens_in_content: Literal["error", "plain"] = Field(
+        "error", description="Message text that holds the tokenizer's special-token text (`</s>`, ChatML's end-of-turn token: pasted "
+        "chat logs, data made for another template), which the tokenizer would read as control tokens (a turn ending mid-answer, a second "
+        "turn inside one). error: stop, naming each sample by file:line and the tokens. plain: encode that text as plain text "
+        "(the tokenizer's split_special_tokens), so that only the chat template makes control tokens."
+    )
 
     @model_validator(mode="after")
     def _one_training_input(self) -> DataSection:
@@ -393,6 +399,17 @@ class ExportSection(Section):
     )
     imatrix_tokens: int = Field(16384, gt=0, description="Training tokens the importance matrix is computed on (export.imatrix: auto).")
     fidelity: FidelitySection = FidelitySection()
+
+    @field_validator("quant_types")
+    @classmethod
+    def _each_type_once(cls, v: list[str]) -> list[str]:
+        # two entries of one type are one output file: the second overwrites the first, and the export's cleanup of
+        # one removes the other's file, after training
+        repeated = [q for q in dict.fromkeys(v) if v.count(q) > 1]
+        if repeated:
+            raise ValueError(f"{', '.join(repeated)} listed more than once ({v}); each type makes one GGUF file: remove the "
+                             f"repeat (quant_types: [{', '.join(dict.fromkeys(v))}])")
+        return v
 
     @model_validator(mode="after")
     def _known_quants(self) -> ExportSection:

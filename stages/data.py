@@ -493,7 +493,8 @@ class Tokenized:
 
 
 def tokenize(samples: list[Sample], tokenizer, max_length: int, policy: str) -> Tokenized:
-    """Render each sample with the chat template and mask everything but assistant turns.
+    """Render each sample with the chat template and mask everything but assistant turns. Special-token text inside a
+    message is encoded as plain text (whether such data may train at all is check_special_tokens' question).
 
     Args:
         policy: for samples over max_length: "error" (DataError naming them), "truncate", "drop".
@@ -503,9 +504,13 @@ def tokenize(samples: list[Sample], tokenizer, max_length: int, policy: str) -> 
 
 def _encode_all(samples: list[Sample], tokenizer) -> Tokenized:
     out = Tokenized([], [], [])
+    specials = special_pattern(tokenizer)
+    first = next((s for s in samples if any(m["role"] == "assistant" for m in s.messages[1:])), None)
+    if first is not None:
+        check_generation_prompt(first, tokenizer)
     for s in samples:
         try:
-            ids, labels = _encode(s, tokenizer)
+            ids, labels = _encode(s, tokenizer, specials)
         except DataError:
             raise
         except Exception as e:  # a template that raises, a tokenizer that chokes on a character
@@ -575,7 +580,65 @@ def _source_of(sample_id: str) -> str:
     return sample_id.rsplit(":", 1)[0] if ":" in sample_id else sample_id
 
 
-def _encode(sample: Sample, tokenizer) -> tuple[list[int], list[int]]:
+def special_pattern(tokenizer) -> re.Pattern | None:
+    """The text of the tokenizer's special (control) tokens, longest first: the tokenizer matches each whole wherever it
+    occurs in its input, inside a message's text as well as in what the chat template writes around it."""
+    texts = {t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values() if t.special}
+    texts |= set(getattr(tokenizer, "all_special_tokens", []))
+    texts = sorted((t for t in texts if t), key=len, reverse=True)
+    return re.compile("|".join(map(re.escape, texts))) if texts else None
+
+
+def check_special_tokens(samples: list[Sample], tokenizer, setting: str) -> list[str]:
+    """Samples whose messages hold the text of a special token: a DataError naming each (file:line, turn, tokens) under
+    data.special_tokens_in_content: error; under plain, their ids (tokenize encodes that text as plain text).
+
+    Such text (pasted chat logs, scraped transcripts, data made for another template) would tokenize into control
+    tokens: an answer holding `<|im_end|>\n<|im_start|>user` ends its turn mid-answer and writes the user's next one,
+    and the model learns exactly that."""
+    pattern = special_pattern(tokenizer)
+    found = []
+    for s in samples if pattern else []:
+        turns = [(k, m["role"], sorted(set(pattern.findall(m["content"])))) for k, m in enumerate(s.messages)]
+        found += [(s.id, f"{s.id}: the {role} turn (message {k + 1}) holds {', '.join(map(repr, tokens))}") for k, role, tokens in turns if tokens]
+    if not found or setting == "plain":
+        return list(dict.fromkeys(sid for sid, _ in found))
+    more = f"\n  ... and {len(found) - MAX_REPORTED} more" if len(found) > MAX_REPORTED else ""
+    raise DataError(
+        f"{len(found)} message(s) hold the text of the tokenizer's special tokens, which tokenizing turns into control tokens "
+        "(a turn that ends mid-answer, a second turn inside one: the model would learn to end its answers early and to write "
+        "the user's next turn):\n" + "\n".join(f"  - {line}" for _, line in found[:MAX_REPORTED]) + more
+        + "\nremove that text from these samples (pasted chat logs, or data made for another chat template?), or set "
+        "data.special_tokens_in_content: plain to train it as plain text")
+
+
+def check_generation_prompt(sample: Sample, tokenizer) -> None:
+    """The chat template writes the assistant header when asked for a generation prompt. The labels of an answer start
+    where the prompt rendered with add_generation_prompt ends: a template that ignores the flag leaves its header
+    (`<|im_start|>assistant\n`) inside every answer, and the model learns to start each answer with it, in silence."""
+    msgs = list(sample.messages)
+    i = next(k for k, m in enumerate(msgs) if m["role"] == "assistant" and k > 0)
+    try:
+        asked = tokenizer.apply_chat_template(msgs[:i], tokenize=False, add_generation_prompt=True)
+        plain = tokenizer.apply_chat_template(msgs[:i], tokenize=False, add_generation_prompt=False)
+        upto = tokenizer.apply_chat_template(msgs[: i + 1], tokenize=False)
+    except Exception:  # noqa: BLE001 - a template that fails on this sample is reported when it is encoded
+        return
+    at = upto.find(msgs[i]["content"], len(asked)) if msgs[i]["content"] and upto.startswith(asked) else -1
+    header = upto[len(asked):at] if at >= 0 else ""
+    if asked == plain and header.strip():
+        from stages.modelcheck import chat_template_file
+
+        where = chat_template_file(Path(getattr(tokenizer, "name_or_path", "") or "."))
+        raise DataError(
+            f"the chat template in {where} ignores add_generation_prompt: it writes the assistant header {header!r} before each "
+            "answer, but not at the end of a prompt rendered for generation, so training would count the header as part of every "
+            "answer (the model learns to write it, and every served answer starts with it); make the template write the header "
+            f"when add_generation_prompt is true (after its messages loop: {{% if add_generation_prompt %}}{{{{ {header!r} }}}}"
+            "{% endif %}), or restore the template that came with the model")
+
+
+def _encode(sample: Sample, tokenizer, specials: re.Pattern | None = None) -> tuple[list[int], list[int]]:
     """Token ids of the rendered conversation and labels that keep only assistant spans."""
     msgs = list(sample.messages)
     text = tokenizer.apply_chat_template(msgs, tokenize=False)
@@ -591,12 +654,83 @@ def _encode(sample: Sample, tokenizer) -> tuple[list[int], list[int]]:
                 "(a prefix of the conversation renders differently), so assistant turns cannot be located"
             )
         spans.append((len(before), len(upto)))
+    plain = _content_specials(sample, tokenizer, text, specials) if specials and any(specials.search(m["content"]) for m in msgs) else []
+    ids, offsets = _encode_text(sample, tokenizer, text, plain)
+    labels = [tok if any(a <= start < b for a, b in spans) else -100 for tok, (start, _end) in zip(ids, offsets, strict=True)]
+    return ids, labels
+
+
+def _content_specials(sample: Sample, tokenizer, text: str, specials: re.Pattern) -> list[tuple[int, int]]:
+    """Where in the rendered `text` the messages' own special-token text is (character spans), as opposed to what the
+    template wrote: message k is looked for after the conversation up to k renders (a message "</s>" would otherwise be
+    found in the template's own end of the turn before it)."""
+    out, cursor = [], 0
+    for k, m in enumerate(sample.messages):
+        if k:
+            with contextlib.suppress(Exception):  # a template that cannot render this prefix: the search goes on from the last message
+                before = tokenizer.apply_chat_template(list(sample.messages[:k]), tokenize=False)
+                if text.startswith(before):
+                    cursor = max(cursor, len(before))
+        at = text.find(m["content"], cursor) if m["content"] else -1
+        if at < 0:
+            if specials.search(m["content"]):
+                raise DataError(f"{sample.id}: message {k + 1} holds special-token text that data.special_tokens_in_content: plain "
+                                "would encode as plain text, but the chat template changes the message's text, so it cannot be "
+                                "found in the rendered conversation; remove the special-token text from this sample")
+            continue
+        out += [(at + x.start(), at + x.end()) for x in specials.finditer(m["content"])]
+        cursor = at + len(m["content"])
+    return out
+
+
+def _encode_text(sample: Sample, tokenizer, text: str, plain: list[tuple[int, int]]) -> tuple[list[int], list[tuple[int, int]]]:
+    """Token ids and character offsets of `text`, the characters of `plain` encoded as plain text.
+
+    Both encodings are the tokenizer's own: `text` as it is (special-token text matched as control tokens) and with
+    split_special_tokens (matched as text). Around each plain span the second is used, out to the nearest point where
+    both put a token boundary; everywhere else the first, so the template's own control tokens stay what they are."""
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    labels = [
-        tok if any(a <= start < b for a, b in spans) else -100
-        for tok, (start, _end) in zip(enc["input_ids"], enc["offset_mapping"], strict=True)
-    ]
-    return enc["input_ids"], labels
+    ids, offsets = enc["input_ids"], enc["offset_mapping"]
+    if not plain:
+        return ids, offsets
+    split = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True, split_special_tokens=True)
+    zones = _zones(plain, offsets, split["offset_mapping"])
+
+    def inside(start: int, end: int) -> bool:
+        return any(lo <= start and end <= hi and start < hi for lo, hi in zones)
+
+    control = set(tokenizer.all_special_ids) | {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+    kept = [(o, i) for i, o in zip(ids, offsets, strict=True) if not inside(*o)]
+    taken = [(o, i) for i, o in zip(split["input_ids"], split["offset_mapping"], strict=True) if inside(*o)]
+    spans = set(plain)
+    template_own = [o for i, o in zip(ids, offsets, strict=True) if i in control and inside(*o) and tuple(o) not in spans]
+    if template_own or any(i in control for _, i in taken):
+        # a zone reached one of the template's own control tokens, or the tokenizer matched special tokens regardless
+        raise DataError(f"{sample.id}: {type(tokenizer).__name__} cannot encode the special-token text of this sample as plain "
+                        "text (split_special_tokens does not apply to it there); remove that text from the sample, or set "
+                        "data.special_tokens_in_content: error to find every such sample")
+    merged = sorted(kept + taken, key=lambda x: x[0][0])  # stable: tokens that start at one character keep their order
+    return [i for _, i in merged], [o for o, _ in merged]
+
+
+def _zones(spans: list[tuple[int, int]], *encodings: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Each span widened until no token of any encoding crosses its edges (merged where they meet)."""
+    zones = []
+    for lo, hi in spans:
+        grown = True
+        while grown:
+            grown = False
+            for s, e in (o for enc in encodings for o in enc):
+                if s < hi and e > lo and (s < lo or e > hi):
+                    lo, hi, grown = min(lo, s), max(hi, e), True
+        zones.append((lo, hi))
+    out: list[tuple[int, int]] = []
+    for lo, hi in sorted(zones):
+        if out and lo < out[-1][1]:
+            out[-1] = (out[-1][0], max(hi, out[-1][1]))
+        else:
+            out.append((lo, hi))
+    return out
 
 
 @dataclass
@@ -610,6 +744,7 @@ class TrainingSet:
     dropped: list[str]
     cache_dir: Path
     cached: bool                     # read from an earlier tokenization, not made now
+    plain: list[str] = field(default_factory=list)  # samples whose special-token text was encoded as plain text
 
     @property
     def ids(self) -> list[str]:
@@ -618,7 +753,7 @@ class TrainingSet:
 
 CHUNK = 5000  # samples per tokenization task
 ROWS = "rows.arrow"
-CACHE_LAYOUT = 2  # bump when what _build writes changes
+CACHE_LAYOUT = 3  # bump when what _build writes changes (3: special-token text in messages encoded as plain text)
 
 
 def training_set(cfg, tokenizer, cache_root: Path | None = None) -> TrainingSet:
@@ -639,7 +774,8 @@ def training_set(cfg, tokenizer, cache_root: Path | None = None) -> TrainingSet:
         cached = True
     meta = json.loads((where / "done.json").read_text())
     table = datasets.Dataset.from_file(str(where / ROWS))  # memory-mapped
-    return TrainingSet(table, table.data.column("length").to_pylist(), meta["truncated"], meta["dropped"], where, cached)
+    return TrainingSet(table, table.data.column("length").to_pylist(), meta["truncated"], meta["dropped"], where, cached,
+                       meta.get("plain", []))
 
 
 def _cache_key(cfg, tokenizer) -> str:
@@ -668,6 +804,7 @@ def _build(cfg, tokenizer, where: Path) -> None:
 
     samples = train_samples(cfg)
     d = cfg.data
+    plain = check_special_tokens(samples, tokenizer, d.special_tokens_in_content)
     procs = max(1, min(d.num_proc or os.cpu_count() or 1, -(-len(samples) // CHUNK)))
     chunks = (samples[i:i + CHUNK] for i in range(0, len(samples), CHUNK))
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # a forked tokenizer with threads would deadlock
@@ -693,7 +830,8 @@ def _build(cfg, tokenizer, where: Path) -> None:
                     writer.write(row)
             kept, _ = writer.finalize()
         _check_policy(kept, d.max_length, d.long_sample_policy, too_long, [s.id for s in samples])
-        (tmp / "done.json").write_text(json.dumps({"samples": kept, "truncated": report.truncated, "dropped": report.dropped}))
+        (tmp / "done.json").write_text(json.dumps({"samples": kept, "truncated": report.truncated, "dropped": report.dropped,
+                                                   "plain": plain}))
         tmp.rename(where)  # atomic: a concurrent run that built it first wins, this copy goes
     except OSError:
         if not where.is_dir():

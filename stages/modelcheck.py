@@ -35,13 +35,49 @@ def check_model_dir(model_dir: Path, trust_remote_code: bool = False) -> list[st
 def _check(model_dir: Path, trust_remote_code: bool, _stamp: tuple) -> tuple[str, ...]:
     problems: list[str] = []
     config = _config(model_dir, trust_remote_code, problems)
-    tensors = _safetensors(model_dir, problems)
-    if config and tensors:
-        sizes = _shapes(config, tensors)
-        # sizes that contradict the config are already the clearest message; a tensor-by-tensor comparison would repeat it
-        problems += sizes or _architecture(config, tensors, model_dir, trust_remote_code)
+    weights: list[str] = []
+    tensors = _safetensors(model_dir, weights)
+    problems += weights
+    # weights that are missing or unreadable (a shard not there, a truncated file) leave tensors out: compared with
+    # config.json, the config would be blamed for what the download lacks
+    if config and tensors and not weights:
+        head = _task_head(config, tensors, model_dir)
+        if head:  # a classifier's weights lack the output layer a causal LM has: the config is right, the model is not one
+            problems.append(head)
+        else:
+            sizes = _shapes(config, tensors)
+            # sizes that contradict the config are already the clearest message; a tensor-by-tensor comparison would repeat it
+            problems += sizes or _architecture(config, tensors, model_dir, trust_remote_code)
     problems += _tokenizer(model_dir, trust_remote_code)
     return tuple(problems)
+
+
+# Architecture name endings of checkpoints whose output layer answers another task than the next token: what the model is, what that layer gives
+TASK_HEADS = {"ForSequenceClassification": ("a sequence classifier", "labels"), "ForTokenClassification": ("a token classifier", "labels"),
+              "ForQuestionAnswering": ("an extractive question-answering model", "answer-span positions")}
+HEAD_LAYERS = ("score", "classifier", "qa_outputs")
+
+
+def _task_head(config: dict, tensors: dict[str, dict], model_dir: Path) -> str | None:
+    """A checkpoint of a classification (or question-answering) model: the causal LM transformers would build from its
+    model_type gets a random output layer in place of its head, and trains and exports a model that writes noise."""
+    named = next((a for a in config.get("architectures") or [] for suffix in TASK_HEADS if a.endswith(suffix)), None)
+    head = next((n for n in tensors if n.count(".") == 1 and n.split(".")[0] in HEAD_LAYERS), None)
+    has_lm_head = any(n.endswith("lm_head.weight") for n in tensors)
+    if not named and not (head and not has_lm_head):
+        return None
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    what, outputs = next((v for k, v in TASK_HEADS.items() if named and named.endswith(k)), ("a classifier", "labels"))
+    causal = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.get("model_type"), "...ForCausalLM")
+    c = config.get("text_config", config)
+    shape = tensors[head].get("shape") if head else None
+    layer = (f"its output layer {head} ({shape[0]} x {shape[1]}) gives {shape[0]} {outputs}, not the {c.get('vocab_size')}-token "
+             "vocabulary" if shape and len(shape) == 2 else "it has no lm_head (the output layer over the vocabulary)")
+    return ((f"{model_dir / 'config.json'}: the architecture is {named}, {what}: " if named else f"{model_dir}: the weights are {what}'s: ")
+            + f"{layer}; it is not a causal language model, which this pipeline fine-tunes (next-token LoRA) and llama.cpp serves; "
+            f"set model.name_or_path to the causal LM checkpoint it was made from (a {causal} with its lm_head, e.g. the base model "
+            "the classifier was fine-tuned from)")
 
 
 def _config(model_dir: Path, trust_remote_code: bool, problems: list[str]) -> dict | None:

@@ -3,18 +3,24 @@ download). Ground floor: the config's input check, the architecture read and eve
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
 from stages.errors import ModelError
 
 
+GGUF_MAGIC = b"GGUF"
+
+
 def resolve_model_dir(name_or_path: str) -> Path:
     """A local model directory for `name_or_path`, or a ModelError saying how to get one."""
     p = Path(name_or_path).expanduser()
+    if p.is_file() or (not p.exists() and p.suffix.lower() == ".gguf"):
+        raise ModelError(_not_a_directory(p))
     if p.is_dir():
         if not (p / "config.json").is_file():
-            raise ModelError(f"{p.resolve()} has no config.json; point it at a Hugging Face model directory")
+            raise ModelError(_no_config(p))
         if not any(p.glob("*.safetensors")):
             raise ModelError(
                 f"{p.resolve()} has no *.safetensors weights (found: {sorted(x.name for x in p.iterdir())}); "
@@ -33,3 +39,47 @@ def resolve_model_dir(name_or_path: str) -> Path:
         f"({os.environ.get('HF_HUB_CACHE', '~/.cache/huggingface/hub')}); download it beforehand "
         f"(`hf download {name_or_path}`) or set model.name_or_path to a local directory"
     )
+
+
+HF_DIRECTORY = "the Hugging Face model directory (config.json, *.safetensors and the tokenizer files)"
+
+
+def _is_gguf(path: Path) -> bool:
+    if not path.is_file():
+        return path.suffix.lower() == ".gguf"
+    with path.open("rb") as f:
+        return f.read(4) == GGUF_MAGIC
+
+
+def _not_a_directory(p: Path) -> str:
+    """A file given where a model directory goes: a GGUF (what llama.cpp serves, often what a user has of a model) is
+    said to be one, since its fix is not "download it" but the checkpoint it was made from."""
+    if _is_gguf(p):
+        return (f"{p.resolve()} {'is' if p.exists() else 'names (and it does not exist)'} a GGUF file: a quantized inference file "
+                "for llama.cpp, not a trainable checkpoint (its weights are rounded to a few bits and packed, and transformers does "
+                f"not train on it); set model.name_or_path to {HF_DIRECTORY} it was made from, or that model's Hugging Face id if it "
+                "is in the local cache")
+    return (f"{p.resolve()} is a file, not a model directory; set model.name_or_path to {HF_DIRECTORY}"
+            + (f", e.g. {p.parent.resolve()}, which holds it" if (p.parent / "config.json").is_file() else ""))
+
+
+def _no_config(p: Path) -> str:
+    """A directory without config.json: a PEFT adapter (an earlier run's train/adapter, a checkpoint) and a folder of
+    GGUF files are named as what they are, with the model to give instead."""
+    if (p / "adapter_config.json").is_file():
+        try:
+            base = json.loads((p / "adapter_config.json").read_text(encoding="utf-8")).get("base_model_name_or_path")
+        except (UnicodeDecodeError, ValueError, AttributeError):
+            base = None
+        trained_on = f"trained on top of {base}" if base else "trained on top of a base model its adapter_config.json does not name"
+        return (f"{p.resolve()} is a PEFT adapter (adapter_config.json, adapter weights), not a base model: it holds only the low-rank "
+                f"update {trained_on}, and cannot be trained on as a base; set model.name_or_path to "
+                + (f"that base, {base}" if base else "the base model it was trained on")
+                + " (to build on what the adapter learned, merge it into that base first with `python -m stages.merge --adapter "
+                f"{p.resolve()} ...` and give the merged model directory)")
+    ggufs = sorted(x.name for x in p.glob("*.gguf"))
+    if ggufs:
+        return (f"{p.resolve()} holds GGUF files ({', '.join(ggufs[:3])}{', ...' if len(ggufs) > 3 else ''}) and no config.json: GGUFs are "
+                f"quantized inference files for llama.cpp, not trainable checkpoints; set model.name_or_path to {HF_DIRECTORY} they were "
+                "made from")
+    return f"{p.resolve()} has no config.json; point it at {HF_DIRECTORY}"

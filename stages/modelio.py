@@ -62,12 +62,31 @@ def load_tokenizer(model: ModelSection):
     if tok.pad_token is None:
         # Padding positions are masked out of attention and loss, so reusing EOS is safe.
         tok.pad_token = tok.eos_token
+    if isinstance(tok.chat_template, dict):
+        tok.chat_template = default_chat_template(tok, model_dir)
     if not tok.chat_template:
         raise ModelError(
             f"the tokenizer of {model.name_or_path} has no chat template; add `chat_template` to its "
             "tokenizer_config.json (the exported GGUF and the serving team need it)"
         )
     return tok
+
+
+def default_chat_template(tok, model_dir: Path) -> str:
+    """Of named chat templates (tokenizer_config.json's list of {name, template}, the form several releases ship with
+    `tool_use` or `rag` beside `default`), the one transformers applies to a conversation without tools, which is also
+    the one llama.cpp's converter writes as the GGUF's tokenizer.chat_template (the others under their names). Training
+    renders with it, and the tokenizer carries it alone, so every stage after meets the template the GGUF serves."""
+    try:
+        return tok.get_chat_template()
+    except ValueError:  # transformers' "multiple chat templates with no default"
+        from stages.modelcheck import chat_template_file
+
+        raise ModelError(
+            f"the chat template in {chat_template_file(model_dir)} is a list of named templates ({', '.join(tok.chat_template)}), none "
+            "named `default`: transformers renders a conversation without tools with `default`, and llama.cpp's converter makes "
+            "it the GGUF's tokenizer.chat_template, so no template would render the training data or serve the model; rename "
+            "the one for plain conversations to `default`") from None
 
 
 def special_token_problem(tok, model_dir: Path) -> str | None:

@@ -132,10 +132,11 @@ def run(cfg: RunConfig, out_dir: Path, gpu_memory_gib: float | None = None, *, t
         targets = shapes.targets(cfg.lora.target_modules)  # names that match no module stop the run here, before any weights load
         lora_notes = architecture.dropout_note(cfg.lora, architecture.lora_kwargs(cfg.lora, targets, shapes.arch.model_class if shapes.arch else "this model"))
         tokenizer = load_tokenizer(cfg.model)
+        content_notes = check_content(cfg, tokenizer)  # before the served tokenizer is compared on sample texts holding it
         # what the run would otherwise hit after training: trackers, disk, export tools, the tokenizer as llama.cpp reads it
         checks.before_training(cfg, out_dir, tokenizer, export=not train_only)
         lengths = scan_lengths(cfg, tokenizer)
-        held_notes = check_held_out(cfg, tokenizer)  # what merge, export and smoke will read: stopped now, not after training
+        held_notes = content_notes + check_held_out(cfg, tokenizer)  # what merge, export and smoke will read: stopped now
         device, budget = memory.card(gpu_memory_gib or cfg.preflight.gpu_memory_gib)
         on_gpu = device != "cpu"
         architecture.attention_implementation(cfg.model.attn_implementation, shapes.arch, on_gpu)  # one the model cannot use stops here
@@ -394,6 +395,16 @@ def check_held_out(cfg: RunConfig, tokenizer) -> list[str]:
     data.tokenize(samples, tokenizer, 1 << 30, "error")
     smoke.check_context(cfg, tokenizer)
     return held_out_overlap(cfg)
+
+
+def check_content(cfg: RunConfig, tokenizer) -> list[str]:
+    """Messages holding the text of a special token, training and held-out (the eval loss tokenizes every held-out
+    sample): refused by file:line under data.special_tokens_in_content: error, a note naming them under plain."""
+    plain = data.check_special_tokens(data.train_samples(cfg) + data.eval_samples(cfg), tokenizer, cfg.data.special_tokens_in_content)
+    if not plain:
+        return []
+    return [f"{len(plain)} sample(s) hold special-token text in a message ({', '.join(plain[:3])}{', ...' if len(plain) > 3 else ''}), "
+            "encoded as plain text (data.special_tokens_in_content: plain)"]
 
 
 # Held-out samples that are training samples too, from which the eval data is refused: eval loss, the merge and

@@ -6,7 +6,8 @@ case, whatever its message says:
   1. exit code 2;
   2. exactly one "train-and-export stopped: <Error>: <message>" line on stderr, and no traceback
      anywhere in the output (fd-level capture: Prefect's log handlers included);
-  3. the message names what was wrong: the file, key or value the case broke (`names`);
+  3. the message names what was wrong: the file, key or value the case broke (`names`), and not a wrong
+     diagnosis beside it (`absent`: another file blamed as well);
   4. the message says how to fix it: it holds one of FIX_WORDS;
   5. the hand-off directory (holding an earlier bundle and `latest`) is byte-identical after,
      and no adapter was trained.
@@ -57,12 +58,13 @@ class Case:
     category: str
     name: str
     setup: object           # (ws) -> None: breaks the workspace
-    names: str              # what the message must name (a file name, a key, a value)
+    names: object           # what the message must name (a file name, a key, a value); or (ws) -> that
     args: tuple = ()        # extra CLI arguments
     env: object = None      # (ws) -> {variable: value} for the run
     fresh: bool = False     # the run starts in a new process (what `env` breaks is read at start-up)
     mounts: object = None   # (ws) -> shell commands mounting filesystems for the run's process alone
     before_training: bool = False  # the preflight's own checks find it: `python -m stages.preflight` refuses it too
+    absent: str = ""        # what the message must not say (a second, wrong diagnosis)
 
 
 class Workspace:
@@ -235,19 +237,92 @@ def _imatrix(ws: Workspace, names: dict[str, int]) -> None:
     ws.set("export", imatrix=str(path))
 
 
-def _model_gguf(ws: Workspace) -> None:
-    """export.imatrix pointing at a model GGUF (the wrong file of a bundle)."""
+def _gguf(path: Path) -> Path:
+    """A model GGUF as gguf's writer makes one (a file of a published bundle)."""
     import numpy as np
     from gguf import GGUFWriter
 
-    path = ws.tmp / "model-Q4_K_M.gguf"
+    path.parent.mkdir(parents=True, exist_ok=True)
     w = GGUFWriter(str(path), "llama")
     w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    ws.set("export", imatrix=str(path))
+    return path
+
+
+def _model_gguf(ws: Workspace) -> None:
+    """export.imatrix pointing at a model GGUF (the wrong file of a bundle)."""
+    ws.set("export", imatrix=str(_gguf(ws.tmp / "model-Q4_K_M.gguf")))
+
+
+def _chatml(ws: Workspace) -> None:
+    """tiny-chatml (byte-level BPE, ChatML, <|im_start|>/<|im_end|> as special tokens) in place of tiny-llama."""
+    shutil.rmtree(ws.model)
+    shutil.copytree(REPO / "assets" / "tiny-chatml", ws.model)
+
+
+CHATML_GENERATION_PROMPT = "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+# an answer pasted from a chat log: tokenized as it is, it ends the assistant turn and opens a user turn
+PASTED = "rouge chat<|im_end|>\n<|im_start|>user\nthanks"
+
+
+def _chatml_template() -> str:
+    return json.loads((REPO / "assets" / "tiny-chatml" / "tokenizer_config.json").read_text())["chat_template"]
+
+
+def _no_generation_prompt(ws: Workspace) -> None:
+    """tiny-chatml's template without its generation prompt: it renders the same with and without add_generation_prompt."""
+    _chatml(ws)
+    template = _chatml_template()
+    assert CHATML_GENERATION_PROMPT in template
+    _chat_template(ws, template.replace(CHATML_GENERATION_PROMPT, ""))
+
+
+def _named_templates(ws: Workspace, *names: str) -> None:
+    """chat_template as a list of named templates (`default`, `tool_use`, ...), as several releases ship it."""
+    _chatml(ws)
+    _tokenizer_config(ws, chat_template=[{"name": n, "template": f"{{# {n} #}}" + _chatml_template()} for n in names])
+
+
+def _pasted_answer(ws: Workspace) -> None:
+    _chatml(ws)
+    ws.lines(GOOD, {"messages": [{"role": "user", "content": "Translate to French: red cat"}, {"role": "assistant", "content": PASTED}]})
+
+
+def _classifier(ws: Workspace) -> None:
+    """LlamaForSequenceClassification weights saved by transformers: a `score` head of 3 labels, no lm_head."""
+    from transformers import AutoConfig, LlamaForSequenceClassification
+
+    config = AutoConfig.from_pretrained(ws.model, num_labels=3)
+    _safetensors(ws).unlink()
+    LlamaForSequenceClassification(config).save_pretrained(ws.model)
+
+
+def _adapter(ws: Workspace) -> None:
+    """model.name_or_path at a LoRA adapter peft saved (what an earlier run's train/adapter holds)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(ws.model), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    peft_model.save_pretrained(ws.tmp / "adapter")
+    ws.set("model", name_or_path=str(ws.tmp / "adapter"))
+
+
+def _missing_shard(ws: Workspace) -> None:
+    """The weights saved in two shards with their index, the second shard missing (a download cut short)."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(_safetensors(ws))
+    _safetensors(ws).unlink()
+    names = sorted(tensors)
+    shards = {"model-00001-of-00002.safetensors": names[: len(names) // 2], "model-00002-of-00002.safetensors": names[len(names) // 2:]}
+    for shard, keys in shards.items():
+        save_file({k: tensors[k] for k in keys}, ws.model / shard, metadata={"format": "pt"})
+    (ws.model / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": {
+        k: shard for shard, keys in shards.items() for k in keys}}))
+    (ws.model / "model-00002-of-00002.safetensors").unlink()
 
 
 def _read_only(ws: Workspace, where: Path) -> list[str]:
@@ -345,6 +420,15 @@ CASES = [
          "translate_train.jsonl:1: messages[1].content", before_training=True),
     Case("data", "eval_file is the training file", lambda ws: ws.set("data", eval_file=str(ws.train)), "data.eval_file is the training file",
          before_training=True),
+    Case("data", "special-token text in an answer (a pasted chat log)", _pasted_answer,
+         "translate_train.jsonl:2: the assistant turn (message 2) holds '<|im_end|>', '<|im_start|>'", before_training=True),
+    Case("data", "special-token text in a held-out prompt", lambda ws: ws.eval.write_text(
+        json.dumps({"prompt": "Translate to French: red </s> cat", "completion": "rouge chat"}) + "\n"),
+         "translate_eval.jsonl:1: the user turn (message 1) holds '</s>'", before_training=True),
+    Case("data", "an OpenAI tool call", lambda ws: ws.lines(GOOD, {"messages": [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "weather", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"}, {"role": "assistant", "content": "Sunny."}]}), "translate_train.jsonl:2"),
     Case("data", "eval_file a copy of training lines", lambda ws: ws.eval.write_text("".join(ws.train.read_text().splitlines(True)[:30])),
          "30 of the 30 held-out samples", before_training=True),
     # config
@@ -359,6 +443,8 @@ CASES = [
          "max_steps"),
     Case("config", "lower-case threshold key", lambda ws: ws.set("export", fidelity={"min_top1": {"q4_k_m": 0.9}}), "q4_k_m"),
     Case("config", "unknown quant type", lambda ws: ws.set("export", quant_types=["Q4_K_X"]), "Q4_K_X"),
+    Case("config", "a quant type listed twice", lambda ws: ws.set("export", quant_types=["Q4_K_M", "Q4_K_M"]),
+         "export.quant_types: Q4_K_M listed more than once"),
     Case("config", "override without =", lambda ws: None, "training.max_steps", args=("--set", "training.max_steps")),
     Case("config", "override of an unknown key", lambda ws: None, "training.max_stesp", args=("--set", "training.max_stesp=3")),
     Case("config", "config is a list", lambda ws: _raw_config(ws, lambda t: "- model\n- data\n"), "config.yaml"),
@@ -438,6 +524,22 @@ CASES = [
         {k: v for k, v in json.loads((ws.model / "tokenizer_config.json").read_text()).items() if k != "chat_template"})), "chat template"),
     Case("model", "shard index names a missing shard", lambda ws: (ws.model / "model.safetensors.index.json").write_text(json.dumps(
         {"weight_map": {"lm_head.weight": "model-00002-of-00002.safetensors"}})), "model-00002-of-00002.safetensors"),
+    Case("model", "a sharded checkpoint missing a shard", _missing_shard, "names shard(s) that are not there: model-00002-of-00002",
+         absent="config.json"),
+    Case("model", "a GGUF file as the base model", lambda ws: ws.set("model", name_or_path=str(_gguf(ws.tmp / "model-Q4_K_M.gguf"))),
+         "model-Q4_K_M.gguf is a GGUF file: a quantized inference file for llama.cpp, not a trainable checkpoint"),
+    Case("model", "a folder of GGUF files as the base model", lambda ws: (_gguf(ws.tmp / "gguf" / "model-Q4_K_M.gguf"),
+                                                                        ws.set("model", name_or_path=str(ws.tmp / "gguf"))),
+         "holds GGUF files (model-Q4_K_M.gguf) and no config.json"),
+    Case("model", "a classifier checkpoint", _classifier,
+         "the architecture is LlamaForSequenceClassification, a sequence classifier", absent="the config does not belong"),
+    Case("model", "a LoRA adapter as the base model", _adapter,
+         lambda ws: f"is a PEFT adapter (adapter_config.json, adapter weights), not a base model: it holds only the low-rank update "
+                    f"trained on top of {ws.model}, and cannot be trained on as a base; set model.name_or_path to that base, {ws.model}"),
+    Case("model", "a chat template without a generation prompt", _no_generation_prompt,
+         "ignores add_generation_prompt: it writes the assistant header '<|im_start|>assistant\\n' before each answer", before_training=True),
+    Case("model", "named chat templates, none named default", lambda ws: _named_templates(ws, "chat", "tool_use"),
+         "is a list of named templates (chat, tool_use), none named `default`", before_training=True),
     Case("model", "model_type with q/k/v biases on Llama weights", lambda ws: _model_config(ws, model_type="qwen2",
                                                                                            architectures=["Qwen2ForCausalLM"]), "q_proj.bias",
          before_training=True),
@@ -504,7 +606,7 @@ def test_refused_with_one_clear_message(case, tmp_path, capfd, prefect_harness, 
             monkeypatch.setenv(k, v)
         code = main(["--config", str(ws.config), *case.args])
         out, err = capfd.readouterr()
-    _judge(case, code, out, err, "train-and-export")
+    _judge(case, code, out, err, "train-and-export", ws)
     assert tree_hash(tmp_path / "handoff") == handoff, "the hand-off directory changed"
     assert not list((tmp_path / "artifacts").glob("runs/*/train/adapter")), "an adapter was trained"
     RESULTS[case.category] += 1
@@ -527,18 +629,20 @@ def test_the_preflight_alone_refuses_it(case, tmp_path):
         args[args.index("--run-id")] = "--out"
         args.insert(args.index("--out") + 1, str(tmp_path / "artifacts" / "runs" / run_id / "preflight"))
     code, out, err = _in_new_process(case, ws, ["stages.preflight", "--config", str(ws.config), *args], case.env(ws) if case.env else {})
-    _judge(case, code, out, err, "preflight")
+    _judge(case, code, out, err, "preflight", ws)
     assert not list((tmp_path / "artifacts").glob("runs/*/train/adapter")), "an adapter was trained"
     RESULTS["preflight alone"] += 1
 
 
-def _judge(case: Case, code: int, out: str, err: str, prog: str) -> None:
-    """Rules 1-4: exit 2, one `stopped:` line, no traceback, the input named, a fix said."""
+def _judge(case: Case, code: int, out: str, err: str, prog: str, ws: Workspace) -> None:
+    """Rules 1-4: exit 2, one `stopped:` line, no traceback, the input named (and no wrong diagnosis), a fix said."""
     stopped = [line for line in err.splitlines() if line.startswith(f"{prog} stopped: ")]
     assert code == 2, (code, (out + err)[-3000:])
     assert len(stopped) == 1 and "Traceback" not in out + err, (out + err)[-3000:]
     message = err[err.index(stopped[0]):]
-    assert case.names.lower() in message.lower(), f"the message does not name {case.names!r}: {message}"
+    names = case.names(ws) if callable(case.names) else case.names
+    assert names.lower() in message.lower(), f"the message does not name {names!r}: {message}"
+    assert not case.absent or case.absent.lower() not in message.lower(), f"the message also says {case.absent!r}: {message}"
     assert any(w in message.lower() for w in FIX_WORDS), f"the message says no fix: {message}"
 
 
@@ -578,6 +682,61 @@ def test_accepted_as_the_plain_file(form, tmp_path):
     other.write_bytes(ACCEPTED[form](text))
     assert [s.messages for s in data.read_jsonl(other)] == [s.messages for s in data.read_jsonl(plain)]
     RESULTS["data (accepted)"] += 1
+
+
+def test_special_token_text_trains_as_plain_text(tmp_path):
+    """data.special_tokens_in_content: plain: the pasted answer's `<|im_end|>` and `<|im_start|>` are plain text, so the
+    loss covers the answer's own text and the one end-of-turn token the template writes after it, and the input holds
+    the template's control tokens only; the preflight names the sample."""
+    from stages import data, preflight
+    from stages.config import load_config
+    from stages.modelio import load_tokenizer
+
+    TRIED["data (accepted)"] += 1
+    ws = Workspace(tmp_path)
+    _chatml(ws)
+    with ws.train.open("a") as f:
+        f.write(json.dumps({"messages": [{"role": "user", "content": "Translate to French: red cat"},
+                                         {"role": "assistant", "content": PASTED}]}) + "\n")
+    line = len(ws.train.read_text().splitlines())
+    ws.set("data", special_tokens_in_content="plain")
+    cfg = load_config(ws.write())
+    result = preflight.run(cfg, tmp_path / "pre")
+    assert result.fits and any(f"translate_train.jsonl:{line})" in n and "encoded as plain text" in n for n in result.data_notes)
+    tok = load_tokenizer(cfg.model)
+    rows = data.training_set(cfg, tok).rows
+    row = rows[len(rows) - 1]
+    assert row["id"].endswith(f"translate_train.jsonl:{line}")
+    end, start = tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<|im_start|>")
+    answer = [i for i in row["labels"] if i != -100]
+    assert tok.decode(answer) == PASTED + "<|im_end|>\n"
+    assert [i for i in answer if i in (start, end)] == [end]  # the template's end of the turn, and no other
+    assert row["input_ids"].count(start) == row["input_ids"].count(end) == 3  # the system, user and assistant turns
+    RESULTS["data (accepted)"] += 1
+
+
+def test_named_chat_templates_train_and_serve_the_default(tmp_path):
+    """chat_template as a list of named templates, read as transformers reads it: `default` renders the training data
+    (the loss covers the answer and its end of turn, not the header) and is the GGUF's tokenizer.chat_template, the
+    other is in the GGUF under its name, and the preflight's comparison of the two tokenizers passes."""
+    from stages import data, preflight
+    from stages.config import load_config
+    from stages.export import llamacpp, vocab
+    from stages.modelio import load_tokenizer
+
+    TRIED["model (accepted)"] += 1
+    ws = Workspace(tmp_path)
+    _named_templates(ws, "default", "tool_use")
+    cfg = load_config(ws.write())
+    assert preflight.run(cfg, tmp_path / "pre").fits
+    tok = load_tokenizer(cfg.model)
+    assert tok.chat_template == "{# default #}" + _chatml_template()
+    first, row = data.read_jsonl(ws.train)[0], data.training_set(cfg, tok).rows[0]
+    assert row["id"] == first.id and tok.decode([i for i in row["labels"] if i != -100]) == first.answer + "<|im_end|>\n"
+    fields = llamacpp.read_gguf(vocab.start(ws.model, llamacpp.converter_dir()).wait())["fields"]
+    assert fields["tokenizer.chat_template"] == tok.chat_template
+    assert fields["tokenizer.chat_template.tool_use"] == "{# tool_use #}" + _chatml_template()
+    RESULTS["model (accepted)"] += 1
 
 
 def test_gzip_with_gz_suffix_and_openai_names_train(tmp_path, capfd, prefect_harness):
