@@ -43,6 +43,7 @@ from stages.errors import DiskFull, MissingPackage, RunError, UserError
 from stages.export import convert as gguf_convert
 from stages.export import imatrix, llamacpp, llamacpp_process, vocab
 from stages.modeldir import resolve_model_dir
+from stages.quants import OUTPUT_BITS, OUTPUT_FALLBACK_BITS, TYPES
 from stages.train import tracking
 
 HTTP_TIMEOUT_S = 3      # an MLflow server that does not answer its health check in this long is down (or not there)
@@ -245,14 +246,8 @@ def import_here(package: str) -> None:
 
 # --- disk ---------------------------------------------------------------------------------------
 
-# Bits per weight of llama.cpp's quantization mixes, from the sizes its quantize tool lists for Llama-3-8B (8.03 B
-# weights, output layer included): Q4_K_M 4.58 GiB -> 4.89. A matrix whose rows are not a multiple of 256 gets the
-# fallback type (stages/quant_types.py): Q4_K -> Q5_0 (5.5 bits), Q5_K -> Q5_1 (6), Q6_K -> Q8_0 (8.5); the _M mixes
-# keep about 1/7 of the weights (half the layers' attn_v and ffn_down) in Q6_K, hence 5.93 and 6.36. The output layer
-# (the input table where tied) gets Q6_K in every K-mix.
-BITS_PER_WEIGHT = {"Q4_K_S": 4.67, "Q4_K_M": 4.89, "Q5_K_S": 5.57, "Q5_K_M": 5.70, "Q6_K": 6.56, "Q8_0": 8.50}
-FALLBACK_BITS = {"Q4_K_S": 5.5, "Q4_K_M": 5.93, "Q5_K_S": 6.0, "Q5_K_M": 6.36, "Q6_K": 8.5, "Q8_0": 8.5}
-OUTPUT_BITS, OUTPUT_FALLBACK_BITS = 6.56, 8.5
+# Bits per weight of llama.cpp's quantization mixes: stages/quants.py, from the sizes its quantize tool lists for
+# Llama-3-8B (8.03 B weights, output layer included): Q4_K_M 4.58 GiB -> 4.89.
 DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
                "F8_E4M3": 1, "F8_E5M2": 1}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json", "merges.txt", "chat_template.jinja")
@@ -326,13 +321,12 @@ def planned_outputs(cfg: RunConfig, run_dir: Path) -> list[Output]:
     quants = [Output(f"{q} GGUF", artifacts, gguf_bytes(tensors, q) + tokenizer) for q in cfg.export.quant_types]
     unquantized = gguf_bytes(tensors, cfg.export.outtype) + tokenizer
     adapter = _adapter_bytes(cfg, tensors) if cfg.handoff.adapter == "auto" else 0
-    from stages.export.stage import IMATRIX_QUANTS  # here: the export stage imports torch
     if not result_files.done(run_dir / "export", "export"):
         outs.append(Output(f"{cfg.export.outtype} GGUF", artifacts, unquantized))
         outs += quants
         if cfg.export.imatrix != "off":
             outs += [Output(f"{o.what} with the other weighting", artifacts, o.bytes, freed="after the fidelity gate")
-                     for o, q in zip(quants, cfg.export.quant_types, strict=True) if q in IMATRIX_QUANTS]
+                     for o, q in zip(quants, cfg.export.quant_types, strict=True) if TYPES[q].imatrix]
     if adapter:
         outs += [Output("the adapter proof's base GGUF", artifacts, unquantized, freed="after the adapter proof", optional=True),
                  Output("the adapter GGUF", artifacts, adapter // 3, optional=True)]
@@ -364,9 +358,9 @@ def gguf_bytes(tensors: dict[str, tuple[list[int], str]], kind: str) -> int:
         n = _numel(shape)
         if len(shape) < 2:
             bits += 32 * n
-        elif kind in BITS_PER_WEIGHT:
-            table = (BITS_PER_WEIGHT, OUTPUT_BITS) if shape[-1] % 256 == 0 else (FALLBACK_BITS, OUTPUT_FALLBACK_BITS)
-            bits += (max(table[0][kind], table[1]) if name == output else table[0][kind]) * n
+        elif kind in TYPES:
+            mix, out = (TYPES[kind].bits, OUTPUT_BITS) if shape[-1] % 256 == 0 else (TYPES[kind].fallback_bits, OUTPUT_FALLBACK_BITS)
+            bits += (max(mix, out) if name == output else mix) * n
         else:
             bits += (32 if kind == "f32" else 16) * n
     return int(bits / 8)

@@ -24,8 +24,8 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr,
 
 # ConfigError lives in stages.errors, so that modelio raises it without importing the config; it is still stages.config.ConfigError.
 from stages.errors import ConfigError
+from stages.quants import TYPES, UNQUANTIZED
 
-QUANT_FTYPES = {"Q4_K_M": 15, "Q5_K_S": 16, "Q5_K_M": 17, "Q6_K": 18, "Q8_0": 7, "Q4_K_S": 14}
 
 
 # What people type for a key that has a library name (checked before spelling distance).
@@ -337,8 +337,9 @@ class MergeSection(Section):
     samples: int = Field(8, gt=0, description="Held-out samples for the merge checks.")
 
 
-MAX_MEAN_KL = {"f16": 0.01, "bf16": 0.01, "f32": 0.01, "Q4_K_M": 0.10, "Q5_K_S": 0.06, "default": 0.10}
-MIN_TOP1 = {"f16": 0.99, "bf16": 0.99, "f32": 0.99, "Q4_K_M": 0.85, "Q5_K_S": 0.88, "default": 0.85}
+MAX_MEAN_KL = {**dict.fromkeys(UNQUANTIZED, 0.01), **{q.name: q.max_mean_kl for q in TYPES.values() if q.max_mean_kl},
+               "default": 0.10}
+MIN_TOP1 = {**dict.fromkeys(UNQUANTIZED, 0.99), **{q.name: q.min_top1 for q in TYPES.values() if q.min_top1}, "default": 0.85}
 
 
 def _over(defaults: dict[str, float]):
@@ -363,7 +364,7 @@ class FidelitySection(Section):
 
     @model_validator(mode="after")
     def _known_file_types(self) -> FidelitySection:
-        known = {*QUANT_FTYPES, "f16", "bf16", "f32", "default"}
+        known = {*TYPES, *UNQUANTIZED, "default"}
         by_lower = {k.lower(): k for k in known}
         bad = []
         for name in ("max_mean_kl", "min_top1"):
@@ -389,7 +390,7 @@ class ExportSection(Section):
     outtype: Literal["f16", "bf16", "f32", "auto"] = Field(
         "f16", description="Precision of the unquantised GGUF the quantised files are made from."
     )
-    quant_types: list[str] = Field(["Q4_K_M", "Q5_K_S"], min_length=1, description=f"Any of {sorted(QUANT_FTYPES)}.")
+    quant_types: list[str] = Field(["Q4_K_M", "Q5_K_S"], min_length=1, description=f"Any of {sorted(TYPES)}.")
     imatrix: Annotated[str, BeforeValidator(lambda v: {False: "off", True: "auto"}.get(v, v) if isinstance(v, bool) else v)] = Field(
         "auto", description="Importance-matrix quantization. auto: computed from the run's own training samples (chat template, "
         "never the held-out texts) on the merged model, each type quantized with and without it, and the fidelity gate keeps the "
@@ -413,9 +414,9 @@ class ExportSection(Section):
 
     @model_validator(mode="after")
     def _known_quants(self) -> ExportSection:
-        bad = [q for q in self.quant_types if q not in QUANT_FTYPES]
+        bad = [q for q in self.quant_types if q not in TYPES]
         if bad:
-            raise ValueError(f"unknown quant type(s) {bad}; choose from {sorted(QUANT_FTYPES)}")
+            raise ValueError(f"unknown quant type(s) {bad}; choose from {sorted(TYPES)}")
         return self
 
     @field_validator("imatrix")

@@ -40,7 +40,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from stages import champion, checksums, errors, paths
+from stages import champion, checksums, errors, paths, quants
 from stages.artifact import Artifact
 from stages.checksums import sha256_dir, sha256_file
 from stages.config import RunConfig
@@ -280,7 +280,7 @@ def _fallbacks(quant: str, gguf: Path) -> dict:
     """Tensors llama.cpp gave its fallback type because their rows are not a multiple of 256 (export checked each)."""
     from stages.export import llamacpp
 
-    if quant not in quant_types.DEFAULT_TYPE:
+    if quant not in quants.TYPES:
         return {}
     counts = quant_types.fallbacks(quant_types.expected(llamacpp.read_gguf(gguf), quant))
     return {"n_fallback": sum(counts.values()), "fallbacks": counts}

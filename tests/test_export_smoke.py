@@ -208,3 +208,25 @@ def test_every_gguf_is_also_asked_through_the_openai_compatible_server_which_the
     left = [p for p in psutil.process_iter(["cmdline"]) if "llama_cpp.server" in " ".join(p.info["cmdline"] or []) and str(gguf) in
             " ".join(p.info["cmdline"] or [])]
     assert not left, [p.info["cmdline"] for p in left]
+
+
+def test_every_registered_quant_type_is_what_llama_cpp_writes(run_dir, tmp_path):
+    """stages/quants.py is the one list of types: each record quantizes through llama.cpp's own quantizer with its
+    file type, every tensor in the type the export's port of llama.cpp's rule expects, and the disk check sizes the
+    file within a fifth (the tiny model's vocabulary vectors and metadata weigh more than a 7B's)."""
+    from stages import checks, quants
+    from stages.modelcheck import read_header
+
+    f16 = run_dir / "export" / "model-f16.gguf"
+    header, _ = read_header(run_dir / "merge" / "model" / "model.safetensors")
+    tensors = {k: (v["shape"], v["dtype"]) for k, v in header.items() if k != "__metadata__"}
+    assert {"Q4_K_M", "Q5_K_S", "Q4_0"} <= set(quants.TYPES)
+    for name, q in quants.TYPES.items():
+        out = tmp_path / f"{name}.gguf"
+        llamacpp.quantize(f16, out, q.ftype)
+        info = llamacpp.read_gguf(out)
+        assert info["fields"]["general.file_type"] == q.ftype
+        assert export.check_quant_types(info, name, out) == {}, name   # every width of the tiny model divides 256
+        assert llamacpp.type_counts(info).get(q.tensor_type, 0) > 0, (name, llamacpp.type_counts(info))
+        assert 0.8 < checks.gguf_bytes(tensors, name) / out.stat().st_size < 1.2, name
+        out.unlink()

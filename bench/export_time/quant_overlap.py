@@ -24,7 +24,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from bench.export_time.export_r7 import make_model  # noqa: E402
-from stages.config import QUANT_FTYPES  # noqa: E402
+from stages.quants import TYPES  # noqa: E402
 from stages.export import llamacpp  # noqa: E402
 
 QUANTS = ("Q4_K_M", "Q5_K_S")
@@ -37,7 +37,7 @@ def quantize_all(base: Path, work: Path, threads: int, concurrent: bool) -> dict
     def one(q: str) -> None:
         t = time.perf_counter()
         try:
-            llamacpp.quantize(base, work / f"{q}.gguf", QUANT_FTYPES[q], threads)
+            llamacpp.quantize(base, work / f"{q}.gguf", TYPES[q].ftype, threads)
         except Exception as e:  # a failed quantization must not read as a fast one
             errors[q] = f"{type(e).__name__}: {e}"
         seconds[q] = round(time.perf_counter() - t, 1)

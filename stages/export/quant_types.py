@@ -1,7 +1,7 @@
 """The type llama.cpp's quantizer gives each tensor of a K-quant or Q8_0 file, so export can check a file against it.
 
 A port of llama_tensor_get_type and tensor_type_fallback (src/llama-quant.cpp of the llama-cpp-python 0.3.36 sdist)
-for the file types export offers (config.QUANT_FTYPES), as export calls the quantizer: no imatrix, no --pure, no
+for the file types export offers (stages/quants.py), as export calls the quantizer: no imatrix, no --pure, no
 per-tensor overrides. Branches for other file types (IQ*, Q2_K, Q3_K, MXFP4) are left out.
 
 K-quants pack 256 values per super-block. A matrix whose rows (ne[0], the input width) are not a multiple of 256 gets
@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# llama_ftype_get_default_type, for the file types export offers.
-DEFAULT_TYPE = {"Q4_K_M": "Q4_K", "Q4_K_S": "Q4_K", "Q5_K_S": "Q5_K", "Q5_K_M": "Q5_K", "Q6_K": "Q6_K", "Q8_0": "Q8_0"}
+from stages.quants import TYPES
+
 # tensor_type_fallback's switch, for the types the rule below can pick.
 FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0", "Q2_K": "Q4_0", "Q3_K": "Q4_0"}
 BLOCK = {"Q4_K": 256, "Q5_K": 256, "Q6_K": 256, "Q2_K": 256, "Q3_K": 256,
@@ -56,7 +56,7 @@ def expected(info: dict, quant: str) -> dict[str, Choice]:
     tied = "output.weight" not in names
     n_wv = sum(_category(n) == "attn_v" for n in names)
     i_wv = i_down = 0
-    default = DEFAULT_TYPE[quant]
+    default = TYPES[quant].tensor_type
     out = {}
     for name in names:
         shape = info["tensor_shapes"][name]

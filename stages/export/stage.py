@@ -31,7 +31,8 @@ from pathlib import Path
 
 from stages import data, errors, inputs, memory, result_files
 from stages.artifact import Artifact
-from stages.config import QUANT_FTYPES, RunConfig
+from stages import quants
+from stages.config import RunConfig
 from stages.errors import MissingInput
 from stages.export import convert, fidelity, imatrix, llamacpp, naming, quant_types, vocab
 from stages.export.llamacpp_process import LlamaProcess
@@ -41,9 +42,6 @@ from stages.modelio import load_tokenizer
 
 IMATRIX_FILE = "imatrix.gguf"
 NAMES_FILE = "gguf-names.json"  # the converter's --metadata override (stages/export/naming.py), kept with the run
-# Types whose quantization reads an importance matrix and whose type rule does not depend on having one
-# (Q8_0 ignores it; Q4_0/Q5_0 would change the first ffn_down layers' types).
-IMATRIX_QUANTS = {"Q4_K_M", "Q4_K_S", "Q5_K_S", "Q5_K_M", "Q6_K"}
 
 
 @dataclass
@@ -131,7 +129,7 @@ def run(cfg: RunConfig, merged_dir: Path, out_dir: Path) -> ExportResult:
         means = imat.means() if imat is not None else None
         made: list[GgufFile] = []  # every quantized file: plain, and with the imatrix where the type reads one
         for quant in cfg.export.quant_types:
-            for with_imatrix in (None, means) if means is not None and quant in IMATRIX_QUANTS else (None,):
+            for with_imatrix in (None, means) if means is not None and quants.TYPES[quant].imatrix else (None,):
                 made.append(quantize_one(quant, base, out_dir, tokenizer, rows, checks, with_imatrix, model_dir))
             lap(f"quantize_{quant}")
         measured = check_fidelity(cfg, tokenizer, merged_dir, [(cfg.export.outtype, base)] + [(f.quant, f.path) for f in made],
@@ -233,7 +231,7 @@ def quantize_one(quant: str, base: Path, out_dir: Path, tokenizer, rows: int | N
     tmp = path.with_suffix(".gguf.partial")
     errors.inject("export-quantize", tmp)
     log = path.with_suffix(".quantize.log")
-    log.write_text(llamacpp.quantize(base, tmp, QUANT_FTYPES[quant], imatrix=means))
+    log.write_text(llamacpp.quantize(base, tmp, quants.TYPES[quant].ftype, imatrix=means))
     if llamacpp.EXPORT_VERBOSE:
         print(log.read_text())
     info = llamacpp.read_gguf(tmp)
@@ -241,7 +239,7 @@ def quantize_one(quant: str, base: Path, out_dir: Path, tokenizer, rows: int | N
     checks[quant if means is None else f"{quant}-imatrix"] = vocab.check_metadata(info, tokenizer, rows, path.name, model_dir)
     naming.check(info, checks["names"], path.name)  # the quantizer copies every key: proven per file
     tmp.rename(path)
-    f = GgufFile(quant, path, QUANT_FTYPES[quant], round(path.stat().st_size / 2**20, 3), llamacpp.type_counts(info),
+    f = GgufFile(quant, path, quants.TYPES[quant].ftype, round(path.stat().st_size / 2**20, 3), llamacpp.type_counts(info),
                  sum(fallbacks.values()), fallbacks, imatrix=means is not None)
     print(quant_summary(f, log))
     return f
@@ -281,8 +279,8 @@ def check_quant_types(info: dict, quant: str, path: Path) -> dict[str, int]:
     """Every tensor llama.cpp quantizes in the type its `quant` rule gives it (the K-type, an upgrade the mix makes,
     or the fallback for rows that are not a multiple of 256); returns the fallbacks, "Q4_K->Q5_0" -> tensors."""
     ftype = info["fields"].get("general.file_type")
-    if ftype != QUANT_FTYPES[quant]:
-        raise ValueError(f"{path.name}: general.file_type is {ftype}, expected {QUANT_FTYPES[quant]} ({quant})")
+    if ftype != quants.TYPES[quant].ftype:
+        raise ValueError(f"{path.name}: general.file_type is {ftype}, expected {quants.TYPES[quant].ftype} ({quant})")
     expected = quant_types.expected(info, quant)
     wrong = {n: c for n, c in expected.items() if info["tensor_types"][n] != c.type}
     if wrong:
