@@ -2,7 +2,7 @@
 itemised, from config.json shapes and the resolved training settings. The preflight, the
 autofit and the benches read it; nothing here loads a model.
 
-The coefficients are fitted to runs measured on an H200 (bench/gpu_figure/fit_memory.py).
+The coefficients are fitted to runs measured on an H200 (docs/benchmarks.md: gpu_figure).
 """
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ from stages.memory import GIB
 from stages.modelio import compute_dtype
 from stages.train.kernels import OPTIM_BYTES, cross_entropy, resolve_auto
 
-KNOWN_MODEL_TYPES = {"llama", "qwen2", "mistral", "qwen3", "phi3", "olmo2"}  # measured (bench/gpu_figure/results/)
+KNOWN_MODEL_TYPES = {"llama", "qwen2", "mistral", "qwen3", "phi3", "olmo2"}  # measured (docs/benchmarks.md: gpu_figure)
 ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 NF4_BYTES = {True: 0.5 + 1 / 64 + 4 / (64 * 256), False: 0.5 + 4 / 64}  # 4-bit + absmax (double-quant or fp32)
 CUBLAS_WORKSPACE = 64 * 2**20  # cuBLAS's workspaces in torch's allocator: what stays allocated after a freed model (H200)
 LOSS_H = 3  # hidden-sized tensors around Liger's loss: the final hidden states, their norm, the input gradient it computes in forward
-# Fitted by bench/gpu_figure/fit_memory.py to the default-settings grid (bench/gpu_figure/results/memory_grid_raw_run*.jsonl).
+# Fitted to the default-settings memory grid (docs/benchmarks.md: gpu_figure).
 COEF = dict(
     layer_h=5.765,      # x T*H*act: hidden-sized tensors and grads of the layer being back-propagated (beyond its input)
     layer_kv=2.0,       # x T*KV*act: its key/value-sized ones
@@ -31,13 +31,13 @@ COEF = dict(
     tile_i=0.175,       # x shard*I*act: one tiled-MLP shard recomputed and back-propagated
     nf4_i=0.894,        # x T*I*act: QLoRA, untiled: one more intermediate-sized tensor than 16-bit LoRA (measured, not traced)
     nf4_tiled_h=-1.436, # x T*H*act: QLoRA, tiled: hidden-sized difference to 16-bit LoRA (measured)
-    qk_norm=1.0,        # x T*(Q+KV)*act: the query/key norms' tensors (Qwen3, OLMo2; bench/gpu_figure/results/)
-    fused_mlp=2.0,      # x T*I*act: a fused gate_up_proj's (Phi-3; bench/gpu_figure/results/)
-    packed_qkv=1.0,     # x T*(Q+KV)*act: packed, the query/key/value laid out token-major for the varlen kernel (bench/gpu_figure/results/need_run3.json)
+    qk_norm=1.0,        # x T*(Q+KV)*act: the query/key norms' tensors (Qwen3, OLMo2)
+    fused_mlp=2.0,      # x T*I*act: a fused gate_up_proj's (Phi-3)
+    packed_qkv=1.0,     # x T*(Q+KV)*act: packed, the query/key/value laid out token-major for the varlen kernel
     mask=4.519,         # bytes per element of the batch x seq x seq padding mask
     slack_gib=0.06,     # allocator: what a capped run cannot give back (partly used pages, the small-block pool); these three
-                        # are what 32 of 32 capped runs completed under (bench/gpu_figure/results/validate_run2-3); a lower slack
-                        # (0.05 + 4% + 0.08 NF4, validate_run4) completed 18 of 18 but was never run on six rows it may be under
+                        # are what 32 of 32 capped runs completed under (docs/benchmarks.md: gpu_figure); a lower slack
+                        # completed 18 of 18 but was never run on six rows it may be under
     slack=0.065,        # allocator: as a fraction of the allocation
     slack_nf4_gib=0.05,   # allocator: more with NF4 weights
     logits=14.07,       # bytes per logit element, plain cross-entropy (bf16 logits, fp32 upcast, fp32 grad; earlier grid)
@@ -153,7 +153,7 @@ class Estimate:
 def estimate(cfg: RunConfig, s: Shapes, longest: int, on_gpu: bool, coef: dict | None = None,
              packed_tokens: int | None = None) -> Estimate:
     """Memory one optimizer step on the heaviest micro-batch needs: on a GPU, the smallest cap under
-    which it runs (its peak allocated plus the allocator's slack; bench/gpu_figure/results/cap_at_estimate.json).
+    which it runs (its peak allocated plus the allocator's slack; docs/benchmarks.md: gpu_figure).
 
     The heaviest micro-batch, for data whose longest sample has `longest` tokens: padded, the
     micro-batch padded to `longest`; packed, one row of `packed_tokens` (the run's heaviest planned
@@ -182,7 +182,7 @@ def estimate(cfg: RunConfig, s: Shapes, longest: int, on_gpu: bool, coef: dict |
       mask        the 4-D padding mask of a padded micro-batch (batch x seq x seq)
       allocator   the slack a capped run cannot give back (partly used pages, the small-block
                   pool); what an uncapped run reserves beyond that is returned under a cap
-    Coefficients (COEF) are fitted to the measured grid (bench/gpu_figure/fit_memory.py), one per
+    Coefficients (COEF) are fitted to the measured grid (docs/benchmarks.md: gpu_figure), one per
     mechanism, not per shape.
     """
     step = _step(cfg, s, longest, on_gpu, COEF | (coef or {}), packed_tokens)
@@ -213,7 +213,7 @@ class _Step:
 
     cfg: RunConfig
     s: Shapes
-    k: dict                 # COEF with the caller's candidates (bench/gpu_figure/fit_memory.py)
+    k: dict                 # COEF with the caller's candidates (the grid's fit tries them)
     gpu: dict               # kernels.resolve_auto's settings
     on_gpu: bool
     act: int                # bytes per element of the compute dtype
@@ -390,9 +390,9 @@ def _mask_and_attention_scores(step: _Step) -> float:
 def _allocator_slack(step: _Step, allocated: float) -> float:
     # With expandable segments the allocator unmaps free pages inside its segment and maps them where a request
     # needs them once the process reaches its cap: the 4-21% more an uncapped run reserves is given back, and a
-    # run capped a few % above its peak allocated completes (bench/gpu_figure/results/cap_check.json). What stays is slack.
+    # run capped a few % above its peak allocated completes (docs/benchmarks.md: gpu_figure). What stays is slack.
     # What a run capped at its peak allocated still lacks: the pages its live blocks leave partly used, more for
-    # NF4's many small quantization-state blocks (bench/gpu_figure/results/: 0.04-0.29 GiB, 1.03-1.07x the allocation).
+    # NF4's many small quantization-state blocks (0.04-0.29 GiB, 1.03-1.07x the allocation; docs/benchmarks.md: gpu_figure).
     if not step.on_gpu:
         return 0.0
     k = step.k

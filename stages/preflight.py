@@ -17,7 +17,7 @@
    stops with the reason and the single config changes that would make it fit, smallest first.
 
 The estimate is the analytic model in stages/memory_model.py, fitted to runs measured on an
-H200 (bench/fit_memory.py).
+H200 (docs/benchmarks.md: gpu_figure).
 """
 
 from __future__ import annotations
@@ -39,15 +39,15 @@ from stages.train import batches, eval_loss, packing, widen
 from stages.train.kernels import resolve_auto
 
 # Probe when the estimate is below this multiple of the budget: a run capped at the estimate
-# completed and one capped 3% lower ran out on every row checked (bench/results/cap_at_estimate.json),
+# completed and one capped 3% lower ran out on every row checked (docs/benchmarks.md: gpu_figure),
 # so an estimate 10% over the budget is already a clear "does not fit", and probing it would only OOM slowly.
 PROBE_IF_UNDER = 1.1
 # The probe measures what one step on the worst micro-batch needs under a cap (capped_step_need); the whole run
 # (micro-batches of other widths before it, its evals and checkpoints) needs 0.985-1.033x that, by row: bisected on
 # 10 capped runs with the activation offload's fixed-point release, under which a run's peak repeated exactly in
-# fresh processes (bench/results/capped/bracket_run3.json, spread_fixed_*.json). 1.035x + 5 MiB sits over all 10 and within
+# fresh processes (docs/benchmarks.md: gpu_figure, its bracket and spread modes). 1.035x + 5 MiB sits over all 10 and within
 # 5% of 9; then checked unchanged on the 28 rows it was not chosen on, 7B-12B and Gemma-2 included: every one
-# completes capped there and runs out at 0.95x it (pages_run5-10*.json; docs/preflight.md).
+# completes capped there and runs out at 0.95x it (docs/benchmarks.md: gpu_figure, its pages mode; docs/preflight.md).
 NEED_SCALE, NEED_PLUS_GIB = 1.035, 0.005
 
 
@@ -210,7 +210,7 @@ def probe(cfg: RunConfig, worst_len: int, cap_gib: float, out_dir: Path, model=N
     the data's longest samples (`lengths`; without them, samples of `worst_len`).
 
     Args:
-        model: an already built stage model (bench/memory_grid.py reuses one across rows);
+        model: an already built stage model (the memory grid reuses one across rows, docs/benchmarks.md: gpu_figure);
             None builds it here, which is what preflight does.
         rows: packed, the row lengths of the micro-batch to probe (the run's heaviest planned one), as they are.
         descend: after the two steps, find the smallest cap a step completes under (capped_step_need): the need.

@@ -43,7 +43,7 @@ def avoid_cudnn_sdpa() -> None:
 
     torch puts cuDNN attention first on Hopper, and cuDNN builds an execution plan for every new
     sequence length: with dynamic padding nearly every step has a new width. In the profile of a
-    2 x ~300-token step on R7 (docs/benchmarks.md) (bench/packing_speed/results/packing_r7_qlora_run2.json) cuDNN attention's
+    2 x ~300-token step on R7 (docs/benchmarks.md: packing_speed) cuDNN attention's
     host side took 144 of its ~500 ms. A process-wide switch, not an `sdpa_kernel` context, for the
     reason attention_kernel() gives.
     """

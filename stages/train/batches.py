@@ -22,7 +22,7 @@ from stages.train import packing
 TILE_FROM_TOKENS = 32768
 # The default packed budget stops here (where data.max_length allows): on the 7B QLoRA benchmark (R7, docs/benchmarks.md), steps of 32 samples, 16384- and
 # 24576-token micro-batches trained within noise of each other (8,311-8,866 and 8,171-8,768 loss tokens/s over two
-# calls), 32768 (the tiled MLP on) 6,173-6,227 (bench/packing_speed/results/goals/). The smaller of the fast two.
+# calls), 32768 (the tiled MLP on) 6,173-6,227 (docs/benchmarks.md: packing_speed). The smaller of the fast two.
 PACKED_BUDGET_DEFAULT_MAX = 16384
 
 

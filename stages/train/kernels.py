@@ -34,8 +34,8 @@ def resolve_auto(cfg: RunConfig, *, on_gpu: bool, liger: bool = True, bnb: bool 
     """
     t = cfg.training
     memory_first = on_gpu and t.planned_fit == "memory"
-    # Packing is on where it was measured faster: CPU (bench/packing_speed/results/packing_cpu.json, 1.92x plain peft) and a GPU
-    # with torch's varlen flash kernel (bench/packing_speed/results/, R7 (docs/benchmarks.md) on the H200: 3.2-3.7x peft + Liger, less memory).
+    # Packing is on where it was measured faster (docs/benchmarks.md: packing_speed): CPU (1.92x plain peft) and a GPU with
+    # torch's varlen flash kernel (R7 on the H200: 3.2-3.7x peft + Liger, less memory).
     packed = t.packing == "on" or (t.packing == "auto" and (not on_gpu or varlen))
     # The tiled MLP pays one more MLP forward per layer to keep the tokens x intermediate activations small:
     # worth it only when the widest micro-batch the data can make is long (padded: micro-batch x longest sample).
@@ -52,7 +52,7 @@ def resolve_auto(cfg: RunConfig, *, on_gpu: bool, liger: bool = True, bnb: bool 
     return {
         "packing": packed,
         "packed_attention": None if not packed else t.packed_attention if t.packed_attention != "auto"
-        # on CPU the per-sample loop: 1.45x the mask's speed on long-tailed data (bench/packing_speed/results/packing_cpu.json)
+        # on CPU the per-sample loop: 1.45x the mask's speed on long-tailed data (docs/benchmarks.md: packing_speed)
         else "varlen" if exact else "flex_attention" if on_gpu and _attention(cfg).flex else "mask",
         "widest_micro_batch": widest,
         "fused_kernels": t.fused_kernels == "on" or (t.fused_kernels == "auto" and on_gpu and liger),
@@ -64,10 +64,10 @@ def resolve_auto(cfg: RunConfig, *, on_gpu: bool, liger: bool = True, bnb: bool 
         # FSDP shards the table across processes instead (a host table is no parameter FSDP can shard)
         "offload_embeddings": t.distributed != "fsdp" and (t.offload_embeddings == "on" or (t.offload_embeddings == "auto" and memory_first)),
         # memory-first only: a speed plan keeps the layers' activations where the card holds them, and the tiled MLP's
-        # extra MLP forward per layer then costs more than it saves (Llama-3.1-8B at 1 x 32,768 tokens, bench/peers:
-        # 0.85x Unsloth with it); fit: auto picks speed only where the untiled estimate fits
+        # extra MLP forward per layer then costs more than it saves (Llama-3.1-8B at 1 x 32,768 tokens: 0.85x Unsloth with
+        # it, docs/benchmarks.md: peers); fit: auto picks speed only where the untiled estimate fits
         "tiled_mlp": t.tiled_mlp == "on" or (t.tiled_mlp == "auto" and memory_first and liger and widest >= TILE_FROM_TOKENS),
-        # 8-bit paged AdamW when memory comes first (-0.24 GiB, -1.5% tokens/s on R7), fused AdamW when speed does
+        # 8-bit paged AdamW when memory comes first (-0.24 GiB, -1.5% tokens/s on R7; docs/benchmarks.md: train_speed), fused AdamW when speed does
         # (bitsandbytes' 8-bit states do not take FSDP2's sharded parameters; sharded N ways, 32-bit states are small)
         "optim": t.optim if t.optim != "auto" else "adamw_torch" if t.distributed == "fsdp" else
         "paged_adamw_8bit" if memory_first and bnb else "adamw_torch_fused" if on_gpu else "adamw_torch",

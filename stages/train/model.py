@@ -72,7 +72,7 @@ def keep_adapter_inputs_16bit(model) -> None:
     """peft casts each adapted module's 16-bit input to its fp32 adapter's dtype before the dropout: a 4-byte copy,
     and an fp32 dropout output, of every adapted input, although autocast casts them back to 16 bits for the
     matmul. On down_proj's tokens x intermediate input that was 0.5 GiB of a 5.2 GiB peak (SmolLM2-1.7B shapes,
-    bf16, 2 x 4096; bench/gpu_figure/results/). Training always runs under autocast (the Trainer, eval, the probe), so
+    bf16, 2 x 4096; docs/benchmarks.md: gpu_figure). Training always runs under autocast (the Trainer, eval, the probe), so
     the adapter gets the same 16-bit operands without the copies."""
     from peft.tuners.lora import LoraLayer
 

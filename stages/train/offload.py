@@ -7,8 +7,8 @@ context under 24 GiB. That much pinned host memory is held per micro-batch, up t
 while torch's pinned allocator rounds blocks up to powers of two; train releases it at the end.
 
 `torch.autograd.graph.save_on_cpu` does the same, but its device-to-host copy blocks the
-host at every saved tensor and its host-to-device copy waits in the compute stream; on R7 (the Qwen2-7B benchmark shape, docs/benchmarks.md)
-it cost (see bench/train_speed/results/train_r7.json) what this hides: copies run on a side stream,
+host at every saved tensor and its host-to-device copy waits in the compute stream; on R7 (the Qwen2-7B benchmark shape)
+it cost 8.5% of the tokens/s (docs/benchmarks.md: train_speed) that this hides: copies run on a side stream,
 overlapping compute, and backward prefetches the next tensor it will need (the saved inputs
 come back in reverse order). Parameters and small tensors stay where they are.
 
@@ -16,7 +16,7 @@ A saved tensor's GPU block is released at a fixed point of the program, not when
 offload keeps it until the next tensor is packed (or backward starts), makes the compute stream wait for its copy
 there, then drops it. `record_stream` would free it at once but let the allocator reuse the block only once the
 copy had finished, so where later blocks went, and how much memory a step needed, followed the GPU's timing
-(docs/evidence/2026-12-03-the-gpu-need.md, "The need is one number again"; bench/gpu_figure/offload_determinism.py).
+(docs/benchmarks.md: gpu_figure, the offload's fixed-point release).
 """
 
 from __future__ import annotations
@@ -130,8 +130,8 @@ class PinnedPool:
     """Pinned host buffers kept across micro-batches, in power-of-two size classes.
 
     torch's pinned allocator gave the offload a cudaHostAlloc per saved tensor at every step on
-    R7 (30 calls, 50 ms of host time in a ~500 ms step with dynamic padding, bench/packing_speed/results/
-    packing_r7_qlora_run2.json). A buffer handed out since the last release() is reused only after
+    R7 (30 calls, 50 ms of host time in a ~500 ms step with dynamic padding; docs/benchmarks.md: packing_speed).
+    A buffer handed out since the last release() is reused only after
     it: every copy into or out of it runs on the offload's one side stream, in order, so the next
     micro-batch's device-to-host copy cannot overtake the last host-to-device copy it served.
     """
