@@ -289,7 +289,7 @@ def run_unsloth(args, shape: dict) -> dict:
                         gradient_accumulation_steps=d["samples"] // d["batch"], max_steps=args.steps, learning_rate=1e-4,
                         warmup_steps=0, logging_steps=1, optim="adamw_8bit", bf16=True, save_strategy="no", report_to=[],
                         max_length=d["cap"], seed=0, dataset_num_proc=1, train_sampling_strategy="sequential",
-                        disable_tqdm=True)
+                        disable_tqdm=True, **({"packing": True} if args.unsloth_packing else {}))
         trainer = SFTTrainer(model=model, processing_class=tokenizer, train_dataset=data, args=cfg,
                              callbacks=[meter.callback()])
         out["runs"][kind] = timed(trainer, meter, model, shape) | {"padding_free": getattr(trainer.args, "padding_free", None),
@@ -507,6 +507,8 @@ def main() -> None:
     ap.add_argument("--cap-scale", type=float, default=1.0, help="scale the data's lengths (a tiny dry run)")
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="stage: a config override")
     ap.add_argument("--profile", choices=list(DATA), help="stage: two more steps of this data, the second profiled")
+    ap.add_argument("--unsloth-packing", action="store_true", help="unsloth: SFTConfig(packing=True), its opt-in packing "
+                    "(rows of max_length), instead of its padding-free default")
     ap.add_argument("--variants", nargs="*", default=[], choices=["fused-off"], help="stage: after each data set (not "
                     "long), the same model again with this change; its rows are named <tool>-<variant>")
     args = ap.parse_args()
