@@ -60,7 +60,8 @@ def before_training(cfg: RunConfig, out_dir: Path, tokenizer, export: bool = Tru
     run_dir = Path(out_dir).parent  # the preflight's directory is <artifacts_dir>/runs/<id>/preflight
     model_dir = resolve_model_dir(cfg.model.name_or_path)
     probes = start_tool_probes() if export else []  # child processes: they start while the rest is checked
-    job = vocab.start(model_dir, llamacpp.converter_dir()) if export else None  # the converter on the user's own files
+    # the converter on the user's own files, under the name export will give the GGUFs (it decides how llama.cpp reads some)
+    job = vocab.start(model_dir, llamacpp.converter_dir(), vocab.served_name(cfg.handoff.model_name, tokenizer, model_dir)) if export else None
     try:
         trackers(cfg, run_dir / "train")
         if export:
