@@ -168,6 +168,13 @@ def test_the_gguf_name_keeps_llama_cpps_phi_3_whitespace_rule_to_tokenizers_that
         assert vocab.served_name(model_name, tok, Path("model")) == served
 
 
+def test_the_preflight_refuses_a_phi3_name_for_a_tokenizer_that_keeps_the_whitespace(tmp_path):
+    model_dir, _ = tiny_model("llama-spm", tmp_path / "model")
+    cfg = _config(tmp_path, model_dir, "phi3-chat")
+    with pytest.raises(vocab.TokenizerMismatch, match=r"'phi3-chat' contains 'phi3'.* keeps it after </s>: every served prompt"):
+        preflight.run(cfg, tmp_path / "preflight")
+
+
 def test_gguf_metadata_is_read_as_gguf_py_reads_it():
     """llamacpp.read_gguf walks the header itself (gguf-py's reader takes 9 s over a 150k vocabulary): the same
     fields, tensor types, sizes and shapes on the sdist's vocabularies small enough for gguf-py's reader in CI."""
