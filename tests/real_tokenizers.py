@@ -188,6 +188,9 @@ def build(name: str) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     _publish(tmp, out)
+    for stale in out.parent.parent.glob(f"{name}-*"):   # built by an earlier version of this file or another sdist
+        if stale != out.parent:
+            shutil.rmtree(stale, ignore_errors=True)
     return out
 
 
