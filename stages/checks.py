@@ -60,8 +60,11 @@ def before_training(cfg: RunConfig, out_dir: Path, tokenizer, export: bool = Tru
     tools, its disk, the tokenizer as llama.cpp will read it, the importance matrix, the hand-off directory)."""
     run_dir = Path(out_dir).parent  # the preflight's directory is <artifacts_dir>/runs/<id>/preflight
     model_dir = resolve_model_dir(cfg.model.name_or_path)
+    # the name export will give the GGUFs decides how llama.cpp reads some vocabularies: found (or refused) before any
+    # child process starts, and the converter writes the user's vocabulary under it
+    name = vocab.served_name(cfg.handoff.model_name, tokenizer, model_dir) if export else None
     probes = start_tool_probes() if export else []  # child processes: they start while the rest is checked
-    job = vocab.start(model_dir, llamacpp.converter_dir()) if export else None  # the converter on the user's own files
+    job = vocab.start(model_dir, llamacpp.converter_dir(), name) if export else None  # the converter on the user's own files
     try:
         trackers(cfg, run_dir / "train")
         if export:

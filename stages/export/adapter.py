@@ -125,15 +125,21 @@ def _prove(cfg, adapter_dir: Path, merged_gguf: Path, work_dir: Path, base: Path
         seconds[name] = round(now - clock, 2)
         clock = now
 
+    from stages.modelio import load_tokenizer
+
     converter = llamacpp.converter_dir()
     base_dir = resolve_model_dir(cfg.model.name_or_path)
-    convert.convert(meter, converter, base_dir, base, cfg.export.outtype, source=base_dir, stage="handoff")
+    # named as the merged GGUFs are: the name decides how llama.cpp reads some vocabularies (vocab.served_name)
+    names = naming.override(cfg.handoff.model_name, cfg.model.name_or_path, base_dir, load_tokenizer(cfg.model))
+    (work_dir / "base-names.json").write_text(json.dumps(names, indent=2))
+    convert.convert(meter, converter, base_dir, base, cfg.export.outtype, source=base_dir, stage="handoff",
+                    metadata=work_dir / "base-names.json")
     base_record = {"bytes": base.stat().st_size, "sha256": sha256_file(base), "outtype": cfg.export.outtype,
                    "made_by": f"llama-cpp-python {llamacpp.runtime_version()}'s convert_hf_to_gguf.py"}
     lap("convert_base")
     gguf = work_dir / f"adapter-{cfg.export.outtype}.gguf"
     # peft's card beside the adapter tags it with the training machine's base path: those tags are not the serving team's
-    names = naming.override(cfg.handoff.model_name, cfg.model.name_or_path, base_dir) | {"general.tags": ["lora"]}
+    names |= {"general.tags": ["lora"]}
     (work_dir / "gguf-names.json").write_text(json.dumps(names, indent=2))
     convert_adapter(meter, converter, adapter_dir, base_dir, gguf, cfg.export.outtype, work_dir / "gguf-names.json")
     info = llamacpp.read_gguf(gguf)

@@ -5,7 +5,8 @@ The converter names a GGUF after what it finds beside the weights: a model card'
 said `general.name = "Model"`, which is what llama-server's /props, Ollama and every model list showed. Export hands the
 converter an override file (`convert_hf_to_gguf.py --metadata`) written here:
 
-    general.name                 handoff.model_name, the name the serving team knows the model by
+    general.name                 handoff.model_name, the name the serving team knows the model by (" (Phi-3)" added
+                                 where the tokenizer needs llama.cpp's Phi-3 whitespace rule: stages/export/vocab.py)
     general.finetune             handoff.model_name (what the base was tuned toward, in llama.cpp's naming convention
                                  <basename>-<size>-<finetune>)
     general.basename             the base model's family as llama.cpp parses a Hugging Face id ("Qwen2.5" of
@@ -62,9 +63,12 @@ def base_license(model_dir: Path) -> dict[str, str]:
     return out
 
 
-def override(model_name: str, name_or_path: str, model_dir: Path) -> dict:
-    """The `--metadata` override for a GGUF of the fine-tune `model_name` of the base `name_or_path` (found in `model_dir`)."""
+def override(model_name: str, name_or_path: str, model_dir: Path, tokenizer=None) -> dict:
+    """The `--metadata` override for a GGUF of the fine-tune `model_name` of the base `name_or_path` (found in `model_dir`);
+    with the HF `tokenizer`, general.name is the name llama.cpp must see to tokenize as it does (vocab.served_name)."""
     from gguf import Metadata
+
+    from stages.export import vocab
 
     repo = hf_repo_id(name_or_path, model_dir)
     full, org, basename, _finetune, version, _size = Metadata.get_model_id_components(repo or Path(model_dir).resolve().name, 0)
@@ -73,7 +77,8 @@ def override(model_name: str, name_or_path: str, model_dir: Path) -> dict:
         base |= {"organization": Metadata.id_to_title(org)} if org else {}
         base |= {"version": version} if version else {}
         base["repo_url"] = f"https://huggingface.co/{repo}"
-    return {"general.name": model_name, "general.basename": basename or full, "general.finetune": model_name,
+    name = model_name if tokenizer is None else vocab.served_name(model_name, tokenizer, model_dir)
+    return {"general.name": name, "general.basename": basename or full, "general.finetune": model_name,
             "general.base_models": [base]} | base_license(model_dir)
 
 

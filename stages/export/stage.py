@@ -105,7 +105,7 @@ def run(cfg: RunConfig, merged_dir: Path, out_dir: Path) -> ExportResult:
 
     with memory.track("export", out_dir) as meter, _no_partial_files(out_dir):
         base = out_dir / f"model-{cfg.export.outtype}.gguf"
-        names = naming.override(cfg.handoff.model_name, cfg.model.name_or_path, model_dir)
+        names = naming.override(cfg.handoff.model_name, cfg.model.name_or_path, model_dir, tokenizer)
         (out_dir / NAMES_FILE).write_text(json.dumps(names, indent=2))
         converted = convert.convert(meter, converter, merged_dir, base, cfg.export.outtype, source=model_dir,
                                     metadata=out_dir / NAMES_FILE)

@@ -13,11 +13,18 @@ stops. So the two are compared twice:
 Checked: vocabulary size, BOS/EOS ids and the chat template (`check_metadata`), and the ids of the same texts
 (`check_tokenization`), with the direction of a word-start space or a tokenizer that splits text far finer than
 llama.cpp said as such.
+
+One tokenizer property a GGUF cannot carry: whether an added token strips the whitespace after it (`rstrip`). Phi-3's
+releases make their chat tokens do so ("<|user|>\n" is the token alone); llama.cpp does the same only for a GGUF whose
+`general.name` contains "phi3" or "phi-3" (src/llama-vocab.cpp), and the converter names a Phi-3 directory "Phi 3 Mini
+4k Instruct". `served_name` gives the name the GGUFs are written with (handoff.model_name, with " (Phi-3)" where the
+tokenizer needs that rule), and the preflight's vocabulary is converted under the same name.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import secrets
 import subprocess
@@ -66,6 +73,7 @@ class VocabJob:
                 f"llama.cpp's converter cannot convert {self.model_dir} (exit {self.proc.returncode}: "
                 f"{lines[-1].strip()[:300] if lines else 'no output'}); nothing could be exported after training. Give the model "
                 "directory its release's config.json and tokenizer files, or set the model to one the converter supports")
+        partial.with_suffix(".names.json").unlink(missing_ok=True)
         partial.rename(self.path)
         return self.path
 
@@ -75,31 +83,72 @@ class VocabJob:
             self.proc.communicate()
         if self.partial is not None:
             self.partial.unlink(missing_ok=True)
+            self.partial.with_suffix(".names.json").unlink(missing_ok=True)
 
 
-def start(model_dir: Path, converter: Path) -> VocabJob:
-    """Start convert_hf_to_gguf.py --vocab-only on `model_dir` (nothing to run when its vocabulary is cached)."""
+def start(model_dir: Path, converter: Path, name: str | None = None) -> VocabJob:
+    """Start convert_hf_to_gguf.py --vocab-only on `model_dir` (nothing to run when its vocabulary is cached); `name`: the
+    general.name the exported GGUFs will have (`served_name`), which decides how llama.cpp reads some vocabularies."""
     model_dir = Path(model_dir)
     cache = llamacpp.CACHE / "vocab"
     cache.mkdir(parents=True, exist_ok=True)
-    path = cache / f"{_key(model_dir, converter)}.gguf"
+    path = cache / f"{_key(model_dir, converter, name)}.gguf"
     if path.is_file():
         return VocabJob(model_dir, path)
     partial = cache / f"{path.stem}.{os.getpid()}.{secrets.token_hex(3)}.partial"
-    cmd, env, _pre = convert.command(converter, model_dir, partial, "--vocab-only")
+    options = ["--vocab-only"]
+    if name is not None:
+        meta = partial.with_suffix(".names.json")
+        meta.write_text(json.dumps({"general.name": name}))
+        options += ["--metadata", str(meta)]
+    cmd, env, _pre = convert.command(converter, model_dir, partial, *options)
     proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     return VocabJob(model_dir, path, proc, partial)
 
 
-def _key(model_dir: Path, converter: Path) -> str:
-    """What the converter's vocabulary depends on: every non-weight file's bytes, the weights' names and sizes, and
-    the converter itself."""
+def _key(model_dir: Path, converter: Path, name: str | None = None) -> str:
+    """What the converter's vocabulary depends on: every non-weight file's bytes, the weights' names and sizes, the
+    converter itself, and the name the GGUF is given."""
     h = hashlib.sha256((converter / "VERSION").read_bytes() if (converter / "VERSION").is_file() else str(converter).encode())
     h.update(Path(convert.__file__).read_bytes())  # the pre-tokenizer launcher decides names too
+    if name is not None:
+        h.update(b"general.name\0" + name.encode())
     for f in sorted(p for p in model_dir.iterdir() if p.is_file()):
         h.update(f.name.encode() + b"\0")
         h.update(str(f.stat().st_size).encode() if f.name.endswith(WEIGHT_SUFFIXES) else f.read_bytes())
     return h.hexdigest()[:32]
+
+
+# llama.cpp reads no per-token attributes from a GGUF: it makes every special token of a vocabulary but these three
+# strip the whitespace after it, and "</s>" too, where general.name contains one of PHI3_NAMES (src/llama-vocab.cpp)
+PHI3_NAMES = ("phi-3", "phi3")
+PHI3_KEEPS_SPACE = ("<unk>", "<s>", "<|endoftext|>")
+
+
+def phi3_rule(tokenizer) -> tuple[bool, list[str]]:
+    """(the HF tokenizer's added tokens strip the whitespace after them exactly as llama.cpp's Phi-3 rule makes them,
+    the added tokens that rule would make strip where the HF tokenizer keeps the whitespace)."""
+    added = list(getattr(tokenizer, "added_tokens_decoder", {}).values())
+    rule = {a.content: a.content not in PHI3_KEEPS_SPACE for a in added}
+    hf = {a.content: bool(a.rstrip) for a in added}
+    return hf == rule and any(hf.values()), [t for t in rule if rule[t] and not hf[t]]
+
+
+def served_name(model_name: str, tokenizer, model_dir: Path) -> str:
+    """The general.name the GGUFs of `model_name` are written with: the name itself, with " (Phi-3)" where the HF
+    tokenizer strips whitespace after its special tokens as Phi-3's does (llama.cpp does so only under such a name). A
+    name that would make llama.cpp strip where the tokenizer does not is refused: every served prompt would differ."""
+    needs, would_differ = phi3_rule(tokenizer)
+    named = next((k for k in PHI3_NAMES if k in model_name.lower()), None)
+    if needs and not named:
+        return f"{model_name} (Phi-3)"
+    if named and not needs and would_differ:
+        raise TokenizerMismatch(
+            f"handoff.model_name {model_name!r} contains {named!r}: llama.cpp makes the special tokens of a GGUF so named strip "
+            f"the whitespace after them (its Phi-3 rule), and the tokenizer of {model_dir} keeps it after "
+            f"{', '.join(would_differ[:4])}: every served prompt would differ from the training ones. Choose a "
+            f"handoff.model_name without {' or '.join(map(repr, PHI3_NAMES))}")
+    return model_name
 
 
 def check_metadata(info: dict, tokenizer, model_vocab: int | None, what: str, model_dir: Path) -> dict:
