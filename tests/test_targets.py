@@ -81,12 +81,14 @@ def test_a_fused_model_trains_its_fused_modules_and_says_so(phi3_dir, tmp_path, 
         pre.report_md.read_text()
 
 
-def test_a_vocabulary_llama_cpp_cannot_load_is_refused_before_training(phi3_dir, tmp_path):
+def test_a_vocabulary_llama_cpp_reads_otherwise_is_refused_before_training(phi3_dir, tmp_path):
+    """A made-up Phi-3 with a Llama tokenizer: its GGUF is not named as a Phi-3 (its tokenizer does not strip after
+    Phi-3's chat tokens), so llama.cpp loads the vocabulary, and tokenizes it otherwise than transformers does."""
     from stages.export.vocab import TokenizerMismatch
 
     cfg = load_config(write_config(tmp_path, model={"name_or_path": str(phi3_dir)}))
-    with pytest.raises(TokenizerMismatch, match=r"llama.cpp cannot load the vocabulary its converter writes from the tokenizer "
-                       r"files of .*phi3.*Give .* the tokenizer files the model was released with"):
+    with pytest.raises(TokenizerMismatch, match=r"tokenizes differently from the HF tokenizer of .*phi3.* give .* the "
+                       r"tokenizer.json the model was released with"):
         preflight.run(cfg, tmp_path / "pre")
 
 

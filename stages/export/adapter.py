@@ -30,6 +30,7 @@ which and why. The base GGUF is deleted once measured: it is as large as the mer
 
 from __future__ import annotations
 
+import concurrent.futures
 import errno
 import json
 import tarfile
@@ -132,18 +133,22 @@ def _prove(cfg, adapter_dir: Path, merged_gguf: Path, work_dir: Path, base: Path
     # named as the merged GGUFs are: the name decides how llama.cpp reads some vocabularies (vocab.served_name)
     names = naming.override(cfg.handoff.model_name, cfg.model.name_or_path, base_dir, load_tokenizer(cfg.model))
     (work_dir / "base-names.json").write_text(json.dumps(names, indent=2))
-    convert.convert(meter, converter, base_dir, base, cfg.export.outtype, source=base_dir, stage="handoff",
-                    metadata=work_dir / "base-names.json")
-    base_record = {"bytes": base.stat().st_size, "sha256": sha256_file(base), "outtype": cfg.export.outtype,
-                   "made_by": f"llama-cpp-python {llamacpp.runtime_version()}'s convert_hf_to_gguf.py"}
-    lap("convert_base")
     gguf = work_dir / f"adapter-{cfg.export.outtype}.gguf"
     # peft's card beside the adapter tags it with the training machine's base path: those tags are not the serving team's
-    names |= {"general.tags": ["lora"]}
-    (work_dir / "gguf-names.json").write_text(json.dumps(names, indent=2))
-    convert_adapter(meter, converter, adapter_dir, base_dir, gguf, cfg.export.outtype, work_dir / "gguf-names.json")
+    (work_dir / "gguf-names.json").write_text(json.dumps(names | {"general.tags": ["lora"]}, indent=2))
+    # The two converters read different inputs (the base's weights; the adapter and the base's config) and each spends
+    # most of a small model's conversion importing torch: side by side, in two processes
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        jobs = [pool.submit(convert.convert, meter, converter, base_dir, base, cfg.export.outtype, source=base_dir,
+                            stage="handoff", metadata=work_dir / "base-names.json"),
+                pool.submit(convert_adapter, meter, converter, adapter_dir, base_dir, gguf, cfg.export.outtype,
+                            work_dir / "gguf-names.json")]
+        for job in jobs:
+            job.result()   # the first failure raises, as one after the other would
+    base_record = {"bytes": base.stat().st_size, "sha256": sha256_file(base), "outtype": cfg.export.outtype,
+                   "made_by": f"llama-cpp-python {llamacpp.runtime_version()}'s convert_hf_to_gguf.py"}
     info = llamacpp.read_gguf(gguf)
-    lap("convert_adapter")
+    lap("convert_base_and_adapter")
     parity = measure(cfg, merged_gguf, base, gguf)
     lap("parity")
     figures = {"base_gguf": base_record, "parity": parity, "seconds": seconds}
