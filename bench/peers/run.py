@@ -384,7 +384,8 @@ def run_stage(args, shape: dict) -> dict:
 
 
 def profile_steps(cfg, model, dataset, collator, settings, args) -> dict:
-    """Two more steps, the second under torch.profiler: GPU time by kernel kind (bench/moe_profile's summary)."""
+    """Two more steps, the second under torch.profiler: GPU time by kernel kind (bench/moe_profile's summary); with
+    `--syncs` also the Python stacks of every op that made the host wait for the GPU in it."""
     import importlib.util
 
     from stages.train.hf_trainer import make_trainer
@@ -395,7 +396,7 @@ def profile_steps(cfg, model, dataset, collator, settings, args) -> dict:
     cfg = cfg.model_copy(update={"training": cfg.training.model_copy(update={"max_steps": 2})})
     trainer = make_trainer(cfg, model, dataset, collator, Path(args.work) / "profile", settings=settings, disable_tqdm=True,
                            save_strategy="no")
-    return msr.profiled_after_first(trainer, False)
+    return msr.profiled_after_first(trainer, args.syncs)
 
 
 def run_peft(args, shape: dict, liger: bool) -> dict:
@@ -507,6 +508,8 @@ def main() -> None:
     ap.add_argument("--cap-scale", type=float, default=1.0, help="scale the data's lengths (a tiny dry run)")
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="stage: a config override")
     ap.add_argument("--profile", choices=list(DATA), help="stage: two more steps of this data, the second profiled")
+    ap.add_argument("--syncs", action="store_true", help="stage: the profiled step also lists the stacks of the ops "
+                    "that synchronized the host with the GPU (torch's sync debug mode)")
     ap.add_argument("--unsloth-packing", action="store_true", help="unsloth: SFTConfig(packing=True), its opt-in packing "
                     "(rows of max_length), instead of its padding-free default")
     ap.add_argument("--variants", nargs="*", default=[], choices=["fused-off"], help="stage: after each data set (not "
