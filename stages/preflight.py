@@ -521,7 +521,7 @@ def suggest(cfg: RunConfig, s: Shapes, lengths: LengthScan, usable: float, on_gp
                             "training.gradient_accumulation_steps": h.gradient_accumulation_steps}, lengths.max))
     if not t.gradient_checkpointing:
         options.append((2, {"training.gradient_checkpointing": True}, lengths.max))
-    if t.optim in ("auto", "adamw_torch", "adamw_torch_fused"):
+    if resolve_auto(cfg, on_gpu=on_gpu, longest=lengths.max)["optim"] in ("adamw_torch", "adamw_torch_fused"):
         options.append((3, {"training.optim": "paged_adamw_8bit"}, lengths.max))
     if not cfg.quantization.load_in_4bit:
         options.append((4, {"quantization.load_in_4bit": True}, lengths.max))

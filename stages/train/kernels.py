@@ -67,10 +67,11 @@ def resolve_auto(cfg: RunConfig, *, on_gpu: bool, liger: bool = True, bnb: bool 
         # extra MLP forward per layer then costs more than it saves (Llama-3.1-8B at 1 x 32,768 tokens: 0.85x Unsloth with
         # it, docs/benchmarks.md: peers); fit: auto picks speed only where the untiled estimate fits
         "tiled_mlp": t.tiled_mlp == "on" or (t.tiled_mlp == "auto" and memory_first and liger and widest >= TILE_FROM_TOKENS),
-        # 8-bit paged AdamW when memory comes first (-0.24 GiB, -1.5% tokens/s on R7; docs/benchmarks.md: train_speed), fused AdamW when speed does
-        # (bitsandbytes' 8-bit states do not take FSDP2's sharded parameters; sharded N ways, 32-bit states are small)
+        # 8-bit AdamW when memory comes first, fused AdamW when speed does (bitsandbytes' 8-bit states do not take
+        # FSDP2's sharded parameters; sharded N ways, 32-bit states are small). Not paged: its states in managed memory
+        # cost 57 ms a step on Qwen3-8B all-linear (504 matrices) for 0.08 GiB (docs/benchmarks.md: peers)
         "optim": t.optim if t.optim != "auto" else "adamw_torch" if t.distributed == "fsdp" else
-        "paged_adamw_8bit" if memory_first and bnb else "adamw_torch_fused" if on_gpu else "adamw_torch",
+        "adamw_8bit" if memory_first and bnb else "adamw_torch_fused" if on_gpu else "adamw_torch",
     }
 
 
