@@ -44,7 +44,7 @@ def fit_on_card(cfg: RunConfig, shapes: Shapes, longest: int, usable_gib: float,
                                        "layers keep their activations as the card holds (measured at the start of training)")
     return _with_fit(cfg, "memory", f"fit: auto is memory on this card: fit: speed would need {need:.2f} GiB with every layer "
                                     f"checkpointed (estimate), over the {usable_gib:.2f} usable; every layer checkpointed, its "
-                                    "inputs and the embeddings offloaded to CPU, 8-bit paged AdamW")
+                                    "inputs and the embeddings offloaded to CPU, 8-bit AdamW")
 
 
 def _with_fit(cfg: RunConfig, fit: str, why: str) -> RunConfig:
