@@ -64,9 +64,13 @@ class ExportResult:
     memory: MemoryReport | None
     skipped: bool = False
     checks: dict = field(default_factory=dict)
-    fidelity: list = field(default_factory=list)  # fidelity.Fidelity per file, the unquantized one first
+    fidelity: list[fidelity.Fidelity] = field(default_factory=list)  # per file, the unquantized one first
     seconds: dict = field(default_factory=dict)   # wall time of each step: convert, checks, each quant, fidelity
     imatrix: dict | None = None                   # export.imatrix: the file, what it was computed on, per type what was kept
+
+    def outputs(self) -> list[Path]:
+        """The files this result stands for: the export is done while they are there."""
+        return [f.path for f in self.files]
 
     def gguf_files(self) -> list[tuple[str, Path]]:
         """The quantized files as (type, path): what smoke and the hand-off take."""
@@ -83,9 +87,9 @@ class ExportResult:
 def run(cfg: RunConfig, merged_dir: Path, out_dir: Path) -> ExportResult:
     """Convert <merged_dir> to GGUF and quantize to every `export.quant_types` in <out_dir>."""
     out_dir, merged_dir = Path(out_dir), Path(merged_dir)
-    if (saved := result_files.load_if_done(out_dir, "export")) is not None:
+    if (done := result_files.load_if_done(out_dir, "export", ExportResult)) is not None:
         print(f"export: GGUF files already in {out_dir}; skipping")
-        return _load(saved)
+        return done
     if not (merged_dir / "config.json").is_file():
         raise MissingInput(f"{merged_dir.resolve()} is not a model directory; point --merged at the merge stage's `model` directory")
     converter = llamacpp.converter_dir()
@@ -303,13 +307,6 @@ def quant_summary(f: GgufFile, log: Path) -> str:
     fell = (f"{f.n_fallback} of {sum(f.tensor_types.values())} tensors fell back (rows not a multiple of 256): "
             + ", ".join(f"{k} {n}" for k, n in f.fallbacks.items())) if f.n_fallback else "no fallbacks"
     return f"export: {f.path.name} {f.size_mib:.1f} MiB: {types}; {fell}; per-tensor log {log.name}"
-
-
-def _load(d: dict) -> ExportResult:
-    files = [GgufFile(**(f | {"path": Path(f["path"])})) for f in d["files"]]
-    return ExportResult(Path(d["base_gguf"]), files, d["llama_cpp_version"], None, skipped=True, checks=d.get("checks", {}),
-                        fidelity=[fidelity.Fidelity(**x) for x in d.get("fidelity", [])], seconds=d.get("seconds", {}),
-                        imatrix=d.get("imatrix"))
 
 
 def main(argv: list[str] | None = None) -> None:
