@@ -91,7 +91,7 @@ class TrainResult:
 
     def _memory_steps(self) -> list[Artifact]:
         # adapter_dir sits in the stage dir, so a result cached before this method existed finds the file too
-        steps_file = self.adapter_dir.parent / "memory_steps.jsonl"
+        steps_file = self.adapter_dir.parent / memory.STEPS_FILE
         if not steps_file.is_file():
             return []
         rows = [json.loads(line) for line in steps_file.read_text().splitlines()]
