@@ -29,7 +29,6 @@ import importlib
 import json
 import os
 import subprocess
-import tempfile
 import time
 import urllib.error
 import urllib.parse
@@ -38,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from stages import champion, data, errors, result_files
+from stages.inputs import unwritable
 from stages.config import RunConfig
 from stages.errors import DiskFull, MissingPackage, RunError, UserError
 from stages.export import convert as gguf_convert
@@ -189,20 +189,6 @@ def unreachable(url: str) -> str | None:
         return f"no answer within {HTTP_TIMEOUT_S} s"
     except OSError as e:
         return e.strerror or str(e)
-
-
-def unwritable(directory: Path) -> str | None:
-    """Why files cannot be created in `directory` (made first if missing, as the run makes it), or None.
-    Tried, not inferred from permission bits: root ignores them, a read-only mount does not."""
-    directory = Path(directory).resolve()
-    existing = next(p for p in (directory, *directory.parents) if p.exists())
-    if not existing.is_dir():
-        return f"{existing} is a file, not a directory"
-    try:
-        with tempfile.NamedTemporaryFile(dir=existing, prefix=".tae-write-check-"):
-            return None
-    except OSError as e:
-        return f"{existing}: {e.strerror or e}"
 
 
 # --- export tools -----------------------------------------------------------------------------

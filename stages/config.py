@@ -310,12 +310,6 @@ class TrainingSection(Section):
         """Processes the base weights and adapter states are split across: the world with fsdp, else 1."""
         return self.world_size if self.distributed == "fsdp" else 1
 
-    def halved(self) -> TrainingSection:
-        """Half the micro-batch, the accumulation raised to keep the effective batch."""
-        b = max(1, self.per_device_train_batch_size // 2)
-        ga = self.gradient_accumulation_steps * self.per_device_train_batch_size // b
-        return self.model_copy(update={"per_device_train_batch_size": b, "gradient_accumulation_steps": ga})
-
 
 class PreflightSection(Section):
     gpu_memory_gib: float | None = Field(

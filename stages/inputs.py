@@ -53,7 +53,7 @@ def problems(cfg: RunConfig) -> list[str]:
             found.append(f"{key}: {f.resolve()} does not exist (nor is {str(f)!r} a dataset in the local HF cache); point it at "
                             "a data file, a folder of them, or a dataset saved with save_to_disk")
     for key, d in (("artifacts_dir", cfg.artifacts_dir), ("handoff.dir", cfg.handoff.dir / cfg.handoff.model_name)):
-        problem = _unwritable_dir(d)
+        problem = unwritable(d)
         if problem:
             found.append(f"{key}: {problem}; point {key} at a directory this user can write (it is created if missing)")
     if cfg.smoke.check == "exact" and cfg.data.eval_file is None and not cfg.data.eval_split:
@@ -62,7 +62,7 @@ def problems(cfg: RunConfig) -> list[str]:
     return found
 
 
-def _unwritable_dir(d: Path) -> str | None:
+def unwritable(d: Path) -> str | None:
     """Why the run could not create files in directory `d` (made first, as the run makes it), or None. Tried, not read
     off permission bits: root ignores them, a read-only mount does not."""
     for p in reversed((d, *d.parents)):

@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 GIB = 1024**3
+STEPS_FILE = "memory_steps.jsonl"  # one row per optimizer step, in the train stage's directory
 # A torch process's CUDA context (driver, kernels): outside the allocator, so outside what the estimate and the probe
 # count; a typical figure, not measured here. It comes off a GPU's budget first (preflight, autofit).
 CUDA_CONTEXT_GIB = 0.5

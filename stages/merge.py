@@ -64,10 +64,9 @@ def run(cfg: RunConfig, adapter_dir: Path, out_dir: Path) -> MergeResult:
     """
     out_dir, adapter_dir = Path(out_dir), Path(adapter_dir)
     merged_dir = out_dir / "model"
-    if (d := result_files.load_if_done(out_dir, "merge")) is not None:
+    if (done := result_files.load_if_done(out_dir, "merge", MergeResult)) is not None:
         print(f"merge: already merged in {merged_dir}; skipping")
-        return MergeResult(merged_dir, d["save_dtype"], d["max_abs_logit_diff"], None, skipped=True, base=d.get("base", "16bit"),
-                           kl=d.get("kl", {}))
+        return done
     if not (adapter_dir / "adapter_config.json").is_file():
         raise MissingInput(
             f"{adapter_dir.resolve()} holds no adapter (adapter_config.json missing); point --adapter at the "
@@ -113,7 +112,7 @@ def run(cfg: RunConfig, adapter_dir: Path, out_dir: Path) -> MergeResult:
     if (base_dir / "generation_config.json").is_file():
         shutil.copy2(base_dir / "generation_config.json", merged_dir / "generation_config.json")
     result = MergeResult(merged_dir, str(save_dtype).removeprefix("torch."), diff, meter.report, base=choice, kl=kl)
-    result_files.save(out_dir, "merge", {"save_dtype": result.save_dtype, "max_abs_logit_diff": diff, "base": choice, "kl": kl})
+    result_files.save(out_dir, "merge", result)
     return result
 
 

@@ -510,15 +510,8 @@ def suggest(cfg: RunConfig, s: Shapes, lengths: LengthScan, usable: float, on_gp
     options = []  # (rank, overrides, seq)
     if on_gpu and loss_mode(cfg, on_gpu) == "plain" and loss_mode(_with_loss(cfg, "chunked"), on_gpu) != "plain":
         options.append((0, {"training.cross_entropy": "chunked"}, lengths.max))
-    if lengths.packed:
-        half = min(batches.token_budget(cfg), batches.widest_packed(cfg, lengths.max)) // 2
-        if half >= lengths.max:  # by samples a step keeps its samples in more micro-batches; by tokens it needs twice as many
-            options.append((1, {"training.max_tokens_per_batch": half} | ({} if t.packed_step == "samples" else
-                                {"training.gradient_accumulation_steps": 2 * t.gradient_accumulation_steps}), lengths.max))
-    elif t.per_device_train_batch_size > 1:
-        h = t.halved()
-        options.append((1, {"training.per_device_train_batch_size": h.per_device_train_batch_size,
-                            "training.gradient_accumulation_steps": h.gradient_accumulation_steps}, lengths.max))
+    if (half := batches.halved(cfg, lengths.packed, lengths.max)) is not None:
+        options.append((1, half, lengths.max))
     if not t.gradient_checkpointing:
         options.append((2, {"training.gradient_checkpointing": True}, lengths.max))
     if resolve_auto(cfg, on_gpu=on_gpu, longest=lengths.max)["optim"] in ("adamw_torch", "adamw_torch_fused"):

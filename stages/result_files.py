@@ -10,14 +10,17 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import is_dataclass
+import types
+import typing
+from dataclasses import fields, is_dataclass
 from pathlib import Path
 
 from stages import memory
 
 FILES = {"preflight": "preflight.json", "train": "train_result.json", "merge": "merge_result.json",
          "export": "export_result.json", "smoke": "smoke_result.json"}
-# What else a finished stage leaves that the next one reads, beside its result file.
+# What else a finished stage leaves in its directory that the next one reads, beside its result file; the files a
+# Result stands for elsewhere it names itself (`outputs()`, kept in its record).
 OUTPUTS = {"preflight": ["preflight.md"], "train": ["adapter/adapter_config.json"], "merge": ["model/config.json"]}
 
 
@@ -26,12 +29,37 @@ def path(stage_dir: Path, stage: str) -> Path:
 
 
 def save(stage_dir: Path, stage: str, result) -> Path:
-    """`result` (a stage's Result, or the dict it records) as its stage's result file."""
+    """`result` (a stage's Result dataclass) as its stage's result file, with the files it stands for where it names
+    them (`outputs()`)."""
+    record = memory.jsonable(result)
+    if hasattr(result, "outputs"):
+        record["outputs"] = [str(f) for f in result.outputs()]
     final = path(stage_dir, stage)
     tmp = final.with_name(final.name + ".partial")
-    tmp.write_text(json.dumps(memory.jsonable(result) if is_dataclass(result) else result, indent=2, default=str))
+    tmp.write_text(json.dumps(record, indent=2, default=str))
     os.replace(tmp, final)
     return final
+
+
+def restore(cls, record: dict, **values):
+    """`cls` (a Result dataclass) from the record `save` wrote: paths, nested results and lists of them rebuilt from
+    the fields' types; keys the class does not have (a record of an older version, a property saved beside the
+    fields) are dropped, fields the record lacks take their defaults; `values` set fields over the record's."""
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in fields(cls)}
+    return cls(**{k: _typed(hints[k], v) for k, v in record.items() if k in known} | values)
+
+
+def _typed(hint, value):
+    if value is None:
+        return None
+    if typing.get_origin(hint) in (types.UnionType, typing.Union):   # X | None
+        hint = next(a for a in typing.get_args(hint) if a is not type(None))
+    if typing.get_origin(hint) is list and is_dataclass(item := (typing.get_args(hint) or (None,))[0]):
+        return [restore(item, v) for v in value]
+    if is_dataclass(hint):
+        return restore(hint, value)
+    return Path(value) if hint is Path else value
 
 
 def load(stage_dir: Path, stage: str) -> dict:
@@ -43,14 +71,15 @@ def done(stage_dir: Path, stage: str) -> bool:
     return load_if_done(stage_dir, stage) is not None
 
 
-def load_if_done(stage_dir: Path, stage: str) -> dict | None:
-    """The stage's result, read once, when the stage is done (`done`); None when it is still to run."""
+def load_if_done(stage_dir: Path, stage: str, cls=None):
+    """The stage's result, read once, when the stage is done (`done`): the record, or with `cls` the Result it was
+    saved from, marked skipped (this process found it done rather than ran it); None when the stage is still to run."""
     stage_dir = Path(stage_dir)
     result = path(stage_dir, stage)
     if not result.is_file():
         return None
     record = json.loads(result.read_text())
-    files = [stage_dir / f for f in OUTPUTS.get(stage, [])]
-    if stage == "export":
-        files += [Path(f["path"]) for f in record.get("files", [])]
-    return record if all(f.exists() for f in files) else None
+    files = [stage_dir / f for f in OUTPUTS.get(stage, [])] + [Path(f) for f in record.get("outputs", [])]
+    if not all(f.exists() for f in files):
+        return None
+    return record if cls is None else restore(cls, record, skipped=True)

@@ -138,7 +138,9 @@ def test_fidelity_gate_passes_real_files_and_stops_a_corrupted_one(run_dir, tmp_
     bad = tmp_path / "model-Q4_K_M.gguf"
     _corrupt(run_dir / "export" / "model-Q4_K_M.gguf", bad, "blk.1.ffn_down.weight")
     with pytest.raises(fidelity.FidelityError, match=r"model-Q4_K_M.gguf: mean KL .* top-1 agreement .*Nothing was handed off"):
-        export.check_fidelity(cfg, tok, run_dir / "merge" / "model", [("Q4_K_M", bad)])
+        sequences = fidelity.held_out_ids(cfg, tok, cfg.export.fidelity.samples)
+        merged = fidelity.load_merged(run_dir / "merge" / "model")
+        fidelity.gate(export.measure_fidelity(cfg, [("Q4_K_M", bad)], sequences, fidelity.log_probs(merged, sequences)))
 
 
 def test_an_architecture_the_converter_does_not_know_stops_with_one_message(run_dir, tmp_path):

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-__all__ = ["ExportResult", "GgufFile", "check_fidelity", "check_quant_types", "main", "quant_summary", "run"]
+__all__ = ["ExportResult", "GgufFile", "measure_fidelity", "check_quant_types", "main", "quant_summary", "run"]
 
 if TYPE_CHECKING:
     from stages.export.stage import (
         ExportResult,
         GgufFile,
-        check_fidelity,
+        measure_fidelity,
         check_quant_types,
         main,
         quant_summary,

@@ -59,19 +59,14 @@ def log_probs(model, sequences: list[list[int]]) -> list[torch.Tensor]:
     return out
 
 
-def reference(merged_dir: Path, sequences: list[list[int]]) -> list[torch.Tensor]:
-    """The merged HF model's next-token log-probabilities per sequence."""
+def load_merged(merged_dir: Path):
+    """The merged HF model as the export measures it: its compute dtype, on this process's device."""
     from transformers import AutoModelForCausalLM
 
     from stages.modelio import attention_of_dir, compute_dtype, device
 
-    model = AutoModelForCausalLM.from_pretrained(merged_dir, dtype=compute_dtype("auto"), device_map={"": str(device())},
-                                                 use_safetensors=True, attn_implementation=attention_of_dir(merged_dir))
-    try:
-        return log_probs(model, sequences)
-    finally:
-        del model
-        memory.free_gpu()  # llama.cpp loads the GGUFs onto this GPU next
+    return AutoModelForCausalLM.from_pretrained(merged_dir, dtype=compute_dtype("auto"), device_map={"": str(device())},
+                                                use_safetensors=True, attn_implementation=attention_of_dir(merged_dir))
 
 
 def compare(p_logs: list[torch.Tensor], q_logs: list[torch.Tensor]) -> tuple[torch.Tensor, float]:

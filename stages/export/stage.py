@@ -64,9 +64,13 @@ class ExportResult:
     memory: MemoryReport | None
     skipped: bool = False
     checks: dict = field(default_factory=dict)
-    fidelity: list = field(default_factory=list)  # fidelity.Fidelity per file, the unquantized one first
+    fidelity: list[fidelity.Fidelity] = field(default_factory=list)  # per file, the unquantized one first
     seconds: dict = field(default_factory=dict)   # wall time of each step: convert, checks, each quant, fidelity
     imatrix: dict | None = None                   # export.imatrix: the file, what it was computed on, per type what was kept
+
+    def outputs(self) -> list[Path]:
+        """The files this result stands for: the export is done while they are there."""
+        return [f.path for f in self.files]
 
     def gguf_files(self) -> list[tuple[str, Path]]:
         """The quantized files as (type, path): what smoke and the hand-off take."""
@@ -83,9 +87,9 @@ class ExportResult:
 def run(cfg: RunConfig, merged_dir: Path, out_dir: Path) -> ExportResult:
     """Convert <merged_dir> to GGUF and quantize to every `export.quant_types` in <out_dir>."""
     out_dir, merged_dir = Path(out_dir), Path(merged_dir)
-    if (saved := result_files.load_if_done(out_dir, "export")) is not None:
+    if (done := result_files.load_if_done(out_dir, "export", ExportResult)) is not None:
         print(f"export: GGUF files already in {out_dir}; skipping")
-        return _load(saved)
+        return done
     if not (merged_dir / "config.json").is_file():
         raise MissingInput(f"{merged_dir.resolve()} is not a model directory; point --merged at the merge stage's `model` directory")
     converter = llamacpp.converter_dir()
@@ -121,19 +125,19 @@ def run(cfg: RunConfig, merged_dir: Path, out_dir: Path) -> ExportResult:
             checks["pre_tokenizer"] = {"name": converted.pre_tokenizer, "from": "tokenizer.json", "probe_text_compared": True}
         checks["tokenization"] = vocab.check_tokenization(base, tokenizer, texts, base.name, model_dir)
         lap("tokenizer_checks")
-        imat = importance_matrix(cfg, tokenizer, merged_dir, base, out_dir)
+        sequences = fidelity.held_out_ids(cfg, tokenizer, cfg.export.fidelity.samples)
+        imat, reference = from_merged_model(cfg, tokenizer, merged_dir, base, out_dir, sequences)
         experts = None if imat is None else expert_coverage(imat)
         if imat is not None:
             print(imatrix_summary(imat, experts))
-            lap("imatrix")
+        lap("merged_model" if imat is None else "imatrix")
         means = imat.means() if imat is not None else None
         made: list[GgufFile] = []  # every quantized file: plain, and with the imatrix where the type reads one
         for quant in cfg.export.quant_types:
             for with_imatrix in (None, means) if means is not None and quants.TYPES[quant].imatrix else (None,):
                 made.append(quantize_one(quant, base, out_dir, tokenizer, rows, checks, with_imatrix, model_dir))
             lap(f"quantize_{quant}")
-        measured = check_fidelity(cfg, tokenizer, merged_dir, [(cfg.export.outtype, base)] + [(f.quant, f.path) for f in made],
-                                  gate=False)
+        measured = measure_fidelity(cfg, [(cfg.export.outtype, base)] + [(f.quant, f.path) for f in made], sequences, reference)
         files, drift, choices = keep_better(made, measured[0], measured[1:])
         fidelity.gate(drift)
         lap("fidelity")
@@ -165,22 +169,32 @@ def _no_partial_files(out_dir: Path):
         raise
 
 
-def check_fidelity(cfg: RunConfig, tokenizer, merged_dir: Path, ggufs: list[tuple[str, Path]], gate: bool = True) -> list[fidelity.Fidelity]:
-    """Every GGUF against the merged model on held-out texts; FidelityError on a breach (`gate`)."""
-    sequences = fidelity.held_out_ids(cfg, tokenizer, cfg.export.fidelity.samples)
-    ref = fidelity.reference(merged_dir, sequences)
+def measure_fidelity(cfg: RunConfig, ggufs: list[tuple[str, Path]], sequences: list[list[int]], reference: list) -> list[fidelity.Fidelity]:
+    """Every GGUF against the merged model's `reference` log-probabilities on the held-out `sequences`; fidelity.gate
+    says which breach export.fidelity."""
     with LlamaProcess("fidelity") as llm:  # one llama.cpp process for every file: a start-up each cost ~1 s on 2 cores
-        results = [fidelity.measure(q, p, sequences, ref, cfg.export.fidelity, llm) for q, p in ggufs]
+        results = [fidelity.measure(q, p, sequences, reference, cfg.export.fidelity, llm) for q, p in ggufs]
     for r in results:
         print(f"export: fidelity {r.file}: mean KL {r.mean_kl:.5f}, top-1 {r.top1_agreement:.1%} over {r.positions} positions"
               f"{'' if r.passed else '  FAILED'}")
-    if gate:
-        fidelity.gate(results)
     return results
 
 
-def importance_matrix(cfg: RunConfig, tokenizer, merged_dir: Path, base: Path, out_dir: Path) -> imatrix.Imatrix | None:
-    """export.imatrix: the importance matrix (computed on the merged model from the training data, or read from the
+def from_merged_model(cfg: RunConfig, tokenizer, merged_dir: Path, base: Path, out_dir: Path,
+                      sequences: list[list[int]]) -> tuple[imatrix.Imatrix | None, list]:
+    """What export needs of the merged HF model, from one load of it: its importance matrix (export.imatrix; None when
+    off) and its next-token log-probabilities on `sequences`, the fidelity gate's reference. The model is freed
+    before llama.cpp loads the GGUFs (onto the same GPU)."""
+    model = fidelity.load_merged(merged_dir)
+    try:
+        return importance_matrix(cfg, tokenizer, model, base, out_dir), fidelity.log_probs(model, sequences)
+    finally:
+        del model
+        memory.free_gpu()
+
+
+def importance_matrix(cfg: RunConfig, tokenizer, model, base: Path, out_dir: Path) -> imatrix.Imatrix | None:
+    """export.imatrix: the importance matrix (computed on the merged `model` from the training data, or read from the
     given file), written to <out_dir>/imatrix.gguf; None when off."""
     if cfg.export.imatrix == "off":
         return None
@@ -193,17 +207,7 @@ def importance_matrix(cfg: RunConfig, tokenizer, merged_dir: Path, base: Path, o
         imat.counts = {n: imat.counts[n] for n in used}
         shutil.copyfile(cfg.export.imatrix, tmp)  # handed on as given
     else:
-        from transformers import AutoModelForCausalLM
-
-        from stages.modelio import attention_of_dir, compute_dtype, device
-
-        model = AutoModelForCausalLM.from_pretrained(merged_dir, dtype=compute_dtype("auto"), device_map={"": str(device())},
-                                                     use_safetensors=True, attn_implementation=attention_of_dir(merged_dir))
-        try:
-            imat = imatrix.from_run(cfg, tokenizer, model, llamacpp.read_gguf(base))
-        finally:
-            del model
-            memory.free_gpu()
+        imat = imatrix.from_run(cfg, tokenizer, model, llamacpp.read_gguf(base))
         imat.write(tmp)
     tmp.rename(out_dir / IMATRIX_FILE)
     return imat
@@ -303,13 +307,6 @@ def quant_summary(f: GgufFile, log: Path) -> str:
     fell = (f"{f.n_fallback} of {sum(f.tensor_types.values())} tensors fell back (rows not a multiple of 256): "
             + ", ".join(f"{k} {n}" for k, n in f.fallbacks.items())) if f.n_fallback else "no fallbacks"
     return f"export: {f.path.name} {f.size_mib:.1f} MiB: {types}; {fell}; per-tensor log {log.name}"
-
-
-def _load(d: dict) -> ExportResult:
-    files = [GgufFile(**(f | {"path": Path(f["path"])})) for f in d["files"]]
-    return ExportResult(Path(d["base_gguf"]), files, d["llama_cpp_version"], None, skipped=True, checks=d.get("checks", {}),
-                        fidelity=[fidelity.Fidelity(**x) for x in d.get("fidelity", [])], seconds=d.get("seconds", {}),
-                        imatrix=d.get("imatrix"))
 
 
 def main(argv: list[str] | None = None) -> None:

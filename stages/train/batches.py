@@ -105,6 +105,32 @@ class Plan:
                 f"{self.efficiency:.0%} of the micro-batches' tokens are samples")
 
 
+def halved(cfg: RunConfig, packed: bool, longest: int) -> dict[str, int] | None:
+    """The training settings (`--set` keys) that halve the micro-batch and keep what a step trains: packed, half the
+    widest micro-batch's tokens, never below the longest sample (by tokens, twice the accumulation: a step then needs
+    twice as many micro-batches; by samples a step keeps its samples in more of them); padded, half the samples and
+    twice the accumulation. None when it cannot get smaller. The OOM recovery retries with it, the preflight
+    suggests it."""
+    t = cfg.training
+    if packed:
+        tokens = min(token_budget(cfg), widest_packed(cfg, longest)) // 2
+        if tokens < longest:
+            return None
+        return {"training.max_tokens_per_batch": tokens} | (
+            {} if t.packed_step == "samples" else {"training.gradient_accumulation_steps": 2 * t.gradient_accumulation_steps})
+    if t.per_device_train_batch_size == 1:
+        return None
+    b = t.per_device_train_batch_size // 2
+    return {"training.per_device_train_batch_size": b,
+            "training.gradient_accumulation_steps": t.gradient_accumulation_steps * t.per_device_train_batch_size // b}
+
+
+def with_training(cfg: RunConfig, change: dict) -> RunConfig:
+    """`cfg` with `change`'s training.* settings (halved's keys)."""
+    update = {k.removeprefix("training."): v for k, v in change.items()}
+    return cfg.model_copy(update={"training": cfg.training.model_copy(update=update)})
+
+
 def dataset(cfg: RunConfig, train_rows, packed: bool, world_size: int = 1, lengths: list[int] | None = None):
     """What the Trainer iterates: the rows themselves (padded), or the packing plan's
     micro-batches for the whole run, in order (packed), and the plan's figures.

@@ -63,7 +63,7 @@ def make_trainer(cfg: RunConfig, model, train_rows, collator, out_dir: Path,
     return StageTrainer(
         model=model, args=args, train_dataset=train_rows, eval_dataset=eval_items if every else None,
         data_collator=collator, offload_activations=s.offload_activations, eval_collate=eval_loss.collate_like(collator) if every else None,
-        callbacks=[Interruptible(), MemoryCallback(out_dir / "memory_steps.jsonl", memory_sinks), *stop_early, *(callbacks or [])],
+        callbacks=[Interruptible(), MemoryCallback(out_dir / memory.STEPS_FILE, memory_sinks), *stop_early, *(callbacks or [])],
     )
 
 

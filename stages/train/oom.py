@@ -67,21 +67,9 @@ def describe_recovery(report: dict, recovery: dict) -> str:
 
 
 def halve_micro_batch(cfg: RunConfig, packed: bool, longest: int) -> RunConfig | None:
-    """Half the micro-batch (packed: half the widest micro-batch's tokens, never below the longest sample) and,
-    where a step is counted in micro-batches, twice the accumulation: the same samples per step; None when it
-    cannot get smaller."""
-    t = cfg.training
-    if packed:
-        tokens = min(batches.token_budget(cfg), batches.widest_packed(cfg, longest)) // 2
-        if tokens < longest:
-            return None
-        # by samples a step keeps its samples in more micro-batches; by tokens it needs twice as many of them
-        update = {"max_tokens_per_batch": tokens} | ({} if t.packed_step == "samples" else
-                                                     {"gradient_accumulation_steps": t.gradient_accumulation_steps * 2})
-        return cfg.model_copy(update={"training": t.model_copy(update=update)})
-    if t.per_device_train_batch_size == 1:
-        return None
-    return cfg.model_copy(update={"training": t.halved()})
+    """`cfg` with half the micro-batch and the same samples per step (batches.halved); None when it cannot get smaller."""
+    change = batches.halved(cfg, packed, longest)
+    return None if change is None else batches.with_training(cfg, change)
 
 
 def postmortem(err: BaseException, cfg: RunConfig, trainer, model, collator: batches.Collator, path: Path) -> dict:

@@ -5,10 +5,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from stages import memory
+
 
 def plot_memory(out_dir: Path, budget_gib: float | None) -> Path | None:
     """memory_steps.jsonl as a timeline: what torch allocated/reserved (GPU) or RSS (CPU), and the budget."""
-    path = out_dir / "memory_steps.jsonl"
+    path = out_dir / memory.STEPS_FILE
     if not path.is_file():
         return None
     import matplotlib

@@ -83,11 +83,7 @@ class TrainResult:
     def from_record(cls, record: dict, *, skipped: bool = True) -> TrainResult:
         """The result as stages.result_files saved it (also one saved before a field was added: its default);
         `skipped`: this process found it done, rather than trained it."""
-        d = dict(record)
-        mem = dict(d.pop("memory") or {})
-        mem.pop("peak_gib", None)
-        return cls(**{k: Path(v) if k in ("adapter_dir", "loss_png", "memory_png") and v else v for k, v in d.items() if k != "skipped"},
-                   memory=MemoryReport(**mem) if mem else None, skipped=skipped)
+        return result_files.restore(cls, record, skipped=skipped)
 
     def artifacts(self) -> list[Artifact]:
         """What the flow shows of training beside its memory table: memory per step and the eval curve, each if there."""
@@ -95,7 +91,7 @@ class TrainResult:
 
     def _memory_steps(self) -> list[Artifact]:
         # adapter_dir sits in the stage dir, so a result cached before this method existed finds the file too
-        steps_file = self.adapter_dir.parent / "memory_steps.jsonl"
+        steps_file = self.adapter_dir.parent / memory.STEPS_FILE
         if not steps_file.is_file():
             return []
         rows = [json.loads(line) for line in steps_file.read_text().splitlines()]
@@ -128,9 +124,9 @@ def run(cfg: RunConfig, out_dir: Path, *, inject_oom_at: int | None = None) -> T
             (first attempt only).
     """
     out_dir = Path(out_dir)
-    if (saved := result_files.load_if_done(out_dir, "train")) is not None:
+    if (done := result_files.load_if_done(out_dir, "train", TrainResult)) is not None:
         print(f"train: adapter already trained in {out_dir / 'adapter'}; skipping")
-        return TrainResult.from_record(saved)
+        return done
     if cfg.training.launcher == "accelerate" and not os.environ.get(launch.LAUNCHED):
         return _launched(cfg, out_dir)
     inputs = _read_inputs(cfg)
