@@ -69,14 +69,22 @@ def load_merged(merged_dir: Path):
                                                 use_safetensors=True, attn_implementation=attention_of_dir(merged_dir))
 
 
+# Q's top token agrees with P where P gives it within this much of P's top log-probability: at a position where P's
+# two likeliest tokens all but tie, which of them comes first is rounding. Counted as a disagreement, an adapter
+# applied at run time by llama.cpp measured top-1 94.9% against the merged GGUF at a mean KL of 7e-6 (a tiny model,
+# its prompt positions near-flat).
+TIE_NATS = 1e-2
+
+
 def compare(p_logs: list[torch.Tensor], q_logs: list[torch.Tensor]) -> tuple[torch.Tensor, float]:
-    """Per-position KL(P || Q) over all sequences, and the top-1 agreement."""
+    """Per-position KL(P || Q) over all sequences, and the top-1 agreement (ties in P within TIE_NATS agree)."""
     kls, agree = [], 0
     for p, q in zip(p_logs, q_logs, strict=True):
         vocab = min(p.shape[-1], q.shape[-1])  # a GGUF vocabulary may be padded
         p, q = p[:, :vocab], torch.log_softmax(q[:, :vocab], dim=-1)
         kls.append((p.exp() * (p - q)).sum(-1).clamp_min(0))
-        agree += int((p.argmax(-1) == q.argmax(-1)).sum())
+        picked = p.gather(-1, q.argmax(-1, keepdim=True))[:, 0]
+        agree += int((picked >= p.max(-1).values - TIE_NATS).sum())
     kl = torch.cat(kls)
     return kl, agree / kl.numel()
 
