@@ -13,7 +13,7 @@
 # skips llama.cpp's flash-attention kernel instances (most of the build time).
 set -u
 : "${OUT:?}"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/base/*.whl || exit 1
 export PYTHONPATH=/tmp/site:. PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TAE_CACHE_DIR=/tmp/tae-cache
 V=0.3.36
 CONV=$TAE_CACHE_DIR/llama-cpp-converter-$V

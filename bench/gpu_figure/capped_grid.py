@@ -158,6 +158,18 @@ NEW_SHAPES = {
                         num_experts_per_tok=4, vocab_size=201088, sliding_window=128,
                         layer_types=["sliding_attention", "full_attention"] * 12, max_position_embeddings=131072,
                         tie_word_embeddings=False, attention_bias=True, **MOE_IDS),
+    # DeepSeek-V2-Lite (issue 52): latent attention with queries not low-rank (q_lora_rank null: q_proj heads x (nope 128
+    # + rope 64), values 128 wide), 64 routed experts top-6 plus 2 shared, the first layer dense, yarn; written sparse
+    "deepseek-v2-lite": dict(model_type="deepseek_v2", architectures=["DeepseekV2ForCausalLM"], hidden_size=2048,
+                             intermediate_size=10944, moe_intermediate_size=1408, num_hidden_layers=27, num_attention_heads=16,
+                             num_key_value_heads=16, n_routed_experts=64, n_shared_experts=2, num_experts_per_tok=6,
+                             first_k_dense_replace=1, kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=128,
+                             qk_rope_head_dim=64, v_head_dim=128, head_dim=64, vocab_size=102400, rope_theta=10000,
+                             rope_scaling={"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
+                                           "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707},
+                             max_position_embeddings=163840, topk_method="greedy", n_group=1, topk_group=1,
+                             routed_scaling_factor=1.0, norm_topk_prob=False, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                             **MOE_IDS),
     # Mixtral-shaped (8 experts top-2, SwiGLU experts, 4:1 GQA), scaled to width 1024 and 16 layers
     "mixtral-1.5b-8e": dict(model_type="mixtral", architectures=["MixtralForCausalLM"], hidden_size=1024, intermediate_size=3584,
                           num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=4, num_local_experts=8,
@@ -238,6 +250,12 @@ ROWS = {
     # (stages/train/widen.py), 16,384 tokens on an H200, is what the figure must hold at
     "M11": ("qwen3-30b-a3b-12l", "nf4", "on", 2048, 2, 16, "all-linear"),
     "M12": ("qwen3-30b-a3b", "nf4", "on", 2048, 2, 16, "all-linear"),
+    # D rows: DeepSeek-V2-Lite whole (latent attention, values narrower than queries and keys), packed and padded, NF4
+    # and bf16, the project's LoRA defaults (attention, the dense layer, shared experts and every routed expert stack)
+    "D1": ("deepseek-v2-lite", "nf4", "on", 2048, 4, 16, "all-linear"),
+    "D2": ("deepseek-v2-lite", "bf16", "off", 4096, 2, 16, "all-linear"),
+    "D3": ("deepseek-v2-lite", "nf4", "off", 4096, 2, 16, "all-linear"),
+    "D4": ("deepseek-v2-lite", "bf16", "on", 2048, 4, 16, "all-linear"),
     # G rows: a dense family Liger has no kernels for, at the project's defaults
     "G1": ("granite-3.3-2b", "nf4", "on", 4096, 2, 16, "all-linear"),
     "G2": ("granite-3.3-2b", "bf16", "off", 2048, 4, 16, "all-linear"),
@@ -248,7 +266,7 @@ ROWS = {
 }
 ACCUMULATION = {"M11": 8, "M12": 8}   # training.gradient_accumulation_steps where not the default (1)
 STEPS, EVAL_EVERY = 20, 10
-SPARSE = {"qwen3-30b-a3b", "gpt-oss-20b"}   # shapes whose checkpoint would not fit the device's disk (sparse_checkpoint.py)
+SPARSE = {"qwen3-30b-a3b", "gpt-oss-20b", "deepseek-v2-lite"}   # shapes whose checkpoint would not fit the device's disk (sparse_checkpoint.py)
 BELOW = 0.95  # validate: the stage capped at this fraction of the estimate must run out
 
 

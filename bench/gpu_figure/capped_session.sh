@@ -3,7 +3,7 @@
 #   MODE=need ROWS="F1 F2 ..." SECS=390 bash bench/gpu_figure/capped_session.sh      (WHL: the carried wheels, default .whl)
 #   MODE=spread ROWS="F18 F10" EXTRA="--from bench/gpu_figure/results/bracket_run3.json --repeats 3" bash bench/gpu_figure/capped_session.sh
 set -uo pipefail
-WHL=${WHL:-.whl}
+WHL=${WHL:-.whl/base}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$WHL"/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 python3 -c "import torch, transformers, peft, bitsandbytes, liger_kernel, datasets; print('torch', torch.__version__, 'transformers', transformers.__version__, 'peft', peft.__version__, 'bnb', bitsandbytes.__version__, torch.cuda.get_device_name())"

@@ -3,7 +3,7 @@
 # ROWS="M10 N3 N4" RECOVERY=0: GPT-OSS-20B and Gemma-2 on their own attention (flex_attention), no recovery run.
 set -u
 start=$SECONDS
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/base/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader; df -h /tmp | tail -1
 [ "${RECOVERY:-1}" = 1 ] && python3 bench/oom_recovery/oom_recovery.py --shape granitemoe-3b --targets all-linear --qlora --out "$OUT/oom_recovery_moe_nf4.json" \

@@ -5,7 +5,7 @@
 # 2. the fixed-release offload: the spread rows at the caps the record_stream offload split on, sharing the GPU (11 at once)
 # 3. the record_stream offload alone on the GPU (one at a time): does F18 still split at 0.7546 without neighbours?
 set -uo pipefail
-WHL=${WHL:-.whl}
+WHL=${WHL:-.whl/base}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$WHL"/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 t0=$SECONDS
