@@ -95,6 +95,35 @@ def test_packed_rows_give_each_sample_the_loss_it_has_alone_and_never_see_each_o
     assert all(packed["labels"][0, s].item() == -100 for s in bounds[:-1])
 
 
+def test_packed_samples_of_one_length_attend_as_a_batch_of_causal_rows_with_the_same_losses_and_gradients(tmp_path):
+    """Full rows (every sample data.max_length long) and one long sample take scaled_dot_product_attention over a batch
+    of equal rows (cuDNN's kernel on Hopper) instead of the varlen kernel: the same logits, loss and LoRA gradients
+    as each sample alone, and the path is taken only where the host knows every sample has the longest length."""
+    from stages.train import attention
+
+    cfg = load_config(write_config(tmp_path, training={"packing": "on", "packed_attention": "varlen"}))
+    model = lora_model.build_model(cfg)
+    gen = torch.Generator().manual_seed(0)
+    rows = [{"input_ids": (ids := torch.randint(5, 400, (48,), generator=gen).tolist()), "labels": ids} for _ in range(3)]
+    packed = packing.collate(rows, varlen=True)
+    q = torch.zeros(1, 4, 144, 8)
+    assert attention._equal_rows(q, q, packed["cu_seq_lens_q"], packed["cu_seq_lens_k"], 48, 48) == 3
+    assert attention._equal_rows(q, q, packed["cu_seq_lens_q"], packed["cu_seq_lens_k"], 50, 50) is None   # not all longest
+    lora = [p for p in model.parameters() if p.requires_grad]
+
+    def loss_and_grads(batches):
+        model.zero_grad()
+        total = sum(model(**b).loss for b in batches)
+        total.backward()
+        return total.detach(), [p.grad.clone() for p in lora]
+
+    together, g_together = loss_and_grads([packed])
+    alone, g_alone = loss_and_grads([packing.collate([r], varlen=True) for r in rows])
+    torch.testing.assert_close(together * 3, alone, atol=1e-4, rtol=1e-4)   # the packed loss is the mean over 3 samples
+    for a, b in zip(g_together, g_alone, strict=True):
+        torch.testing.assert_close(a * 3, b, atol=1e-5, rtol=1e-3)
+
+
 def test_one_optimizer_step_packed_equals_the_same_step_padded(tmp_path):
     """The loss of a step is normalised per loss-carrying token over the whole step, packed or padded:
     the same samples in the same step give the same update (plain SGD, where a scale error would show)."""

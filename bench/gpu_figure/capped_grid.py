@@ -342,7 +342,7 @@ def row_config(name: str, model_dir: Path, train: Path, held: Path, work: Path, 
         "data": {"train_file": str(train), "eval_file": str(held), "max_length": max_length, "long_sample_policy": "truncate",
                  "num_proc": 1},
         # MoE: the default dropout, which becomes 0 where experts are adapted (peft has none on them)
-        "lora": {"r": r, "lora_alpha": 32, "target_modules": targets} | ({} if name[0] == "M" or shape == "tiny-moe" else {"lora_dropout": 0.05}),
+        "lora": {"r": r, "lora_alpha": 32, "target_modules": targets} | ({} if name[0] in "MD" or shape == "tiny-moe" else {"lora_dropout": 0.05}),
         "quantization": {"load_in_4bit": quant == "nf4"},
         # every memory setting at its default; only the run's length and the failure mode are the bench's
         "training": {"per_device_train_batch_size": mb, "gradient_accumulation_steps": ACCUMULATION.get(name, 1),

@@ -343,7 +343,10 @@ def run_stage(args, shape: dict) -> dict:
     from stages.train.model import build_model
     from stages.train.stage import choose_fit
 
-    out, model, built_with = {"set": args.set, "runs": {}}, None, None
+    if args.varlen_only:
+        from stages.train import attention
+        attention._equal_rows = lambda *a: None
+    out, model, built_with = {"set": args.set, "runs": {}, "varlen_only": args.varlen_only}, None, None
     for kind in args.data:
         data = rows(kind, args, shape["vocab_size"])
         lens = [len(r["input_ids"]) for r in data]
@@ -512,6 +515,8 @@ def main() -> None:
                     "that synchronized the host with the GPU (torch's sync debug mode)")
     ap.add_argument("--unsloth-packing", action="store_true", help="unsloth: SFTConfig(packing=True), its opt-in packing "
                     "(rows of max_length), instead of its padding-free default")
+    ap.add_argument("--varlen-only", action="store_true", help="stage: every packed row through the varlen kernel, "
+                    "equal-length samples included (the attention before stages/train/attention.py's `_causal_rows`)")
     ap.add_argument("--variants", nargs="*", default=[], choices=["fused-off"], help="stage: after each data set (not "
                     "long), the same model again with this change; its rows are named <tool>-<variant>")
     args = ap.parse_args()

@@ -97,12 +97,58 @@ def varlen_attention(module, query, key, value, attention_mask, scaling=None, dr
                                "with varlen=True) or single rows; set training.packed_attention: mask")
         cu_seq_lens_q = cu_seq_lens_k = _bounds_from_positions(kwargs.get("position_ids"), query.shape[2], query.device)
         max_length_q = max_length_k = int((cu_seq_lens_q[1:] - cu_seq_lens_q[:-1]).max())
+    if (rows := _equal_rows(query, value, cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k)) is not None:
+        return _causal_rows(query, key, value, rows, scaling), None
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [tokens, heads, dim]
     if device().type == "cuda":
         out = _flash_varlen(q, k, v, cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k, scaling)
     else:
         out = _per_sample(q, k, v, cu_seq_lens_q, scaling)
     return out.unsqueeze(0), None
+
+
+def _equal_rows(query, value, cu_q, cu_k, max_q, max_k) -> int | None:
+    """How many samples the packed row holds where they all have one length (full rows cut at data.max_length, one
+    long sample), else None. Known on the host without reading the boundaries off the GPU: the samples' count is
+    the boundaries' shape, and the longest times the count is the row only where every sample is the longest."""
+    if not isinstance(max_q, int) or max_q != max_k or cu_q.shape != cu_k.shape or value.shape[-1] != query.shape[-1]:
+        return None
+    rows = cu_q.shape[0] - 1
+    return rows if rows >= 1 and max_q * rows == query.shape[2] else None
+
+
+def _causal_rows(query, key, value, rows: int, scale):
+    """Attention over a row of `rows` equal samples as a batch of `rows` causal rows: scaled_dot_product_attention,
+    which on Hopper takes cuDNN's fused attention, forward and backward 1.7x torch's varlen flash kernel on one
+    32,768-token sample and 3.3x on 4,096 (docs/benchmarks.md: peers, attention). query [1, heads, tokens, dim]
+    (key and value with their own heads); returns [1, tokens, heads, dim]."""
+    from torch.nn.attention import sdpa_kernel
+
+    def split(x):   # [1, heads, rows x length, dim] -> [rows, heads, length, dim], no copy
+        return x[0].unflatten(1, (rows, -1)).transpose(0, 1)
+
+    # Chosen inside the attention call: checkpointing's recompute runs this function again, under the same choice
+    with sdpa_kernel(_sdpa_order(), **({"set_priority": True} if _sdpa_priority() else {})):
+        out = torch.nn.functional.scaled_dot_product_attention(split(query), split(key), split(value), is_causal=True,
+                                                               scale=scale, enable_gqa=query.shape[1] != key.shape[1])
+    return out.transpose(1, 2).reshape(1, query.shape[2], query.shape[1], value.shape[-1])
+
+
+@functools.cache
+def _sdpa_order() -> list:
+    from torch.nn.attention import SDPBackend
+
+    return [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+@functools.cache
+def _sdpa_priority() -> bool:
+    """Whether this torch's sdpa_kernel takes an order (2.6 and later); before, it picks among the allowed by its own."""
+    import inspect
+
+    from torch.nn.attention import sdpa_kernel
+
+    return "set_priority" in inspect.signature(sdpa_kernel).parameters
 
 
 def _bounds_from_positions(position_ids, tokens: int, dev) -> torch.Tensor:

@@ -23,7 +23,7 @@ from transformers import EarlyStoppingCallback, Trainer, TrainerCallback, Traini
 from stages import errors, memory
 from stages.config import RunConfig
 from stages.modelio import compute_dtype, device
-from stages.train import eval_loss, kernels, sharding
+from stages.train import eval_loss, kernels, optim_state, sharding
 from stages.train.offload import OffloadActivations
 from stages.train.packing import PackedRows, PackedSteps
 
@@ -183,6 +183,18 @@ class StageTrainer(Trainer):
         super()._save_checkpoint(model, trial)
         if self.is_fsdp_enabled:
             sharding.agree_on_best_checkpoint(self)
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        # Private override kept: the one place the Trainer reads a checkpoint's optimizer state into the optimizer it
+        # built. A checkpoint of the other AdamW (the OOM fallback from fit: speed to fit: memory resumes the fused
+        # AdamW's checkpoint with 8-bit AdamW) gets its moments carried over instead of a KeyError at the next step.
+        saved = None if checkpoint is None or self.is_fsdp_enabled else optim_state.read_other(Path(checkpoint), self.optimizer)
+        if saved is None:
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        optim_state.adopt(getattr(self.optimizer, "optimizer", self.optimizer), saved)
+        self.lr_scheduler.load_state_dict(torch.load(Path(checkpoint) / "scheduler.pt", weights_only=True))
+        optim = getattr(self.args.optim, "value", self.args.optim)
+        print(f"train: {Path(checkpoint).name}'s AdamW moments carried over to {optim}", flush=True)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         parts = inputs.get("micro_batches") if isinstance(inputs, dict) else None
