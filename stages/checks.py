@@ -42,7 +42,7 @@ from stages.config import RunConfig
 from stages.errors import DiskFull, MissingPackage, RunError, UserError
 from stages.export import convert as gguf_convert
 from stages.export import imatrix, llamacpp, llamacpp_process, vocab
-from stages.modeldir import resolve_model_dir
+from stages.model.directory import resolve_model_dir
 from stages.quants import OUTPUT_BITS, OUTPUT_FALLBACK_BITS, TYPES
 from stages.train import tracking
 
@@ -365,7 +365,7 @@ def _merged_bytes(model_dir: Path, tensors: dict[str, tuple[list[int], str]]) ->
 
 
 def _tensors(model_dir: Path) -> dict[str, tuple[list[int], str]]:
-    from stages.modelcheck import read_header
+    from stages.model.check import read_header
 
     out = {}
     for f in sorted(model_dir.glob("*.safetensors")):

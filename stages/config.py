@@ -22,7 +22,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
-# ConfigError lives in stages.errors, so that modelio raises it without importing the config; it is still stages.config.ConfigError.
+# ConfigError lives in stages.errors, so that stages.model.load raises it without importing the config; it is still stages.config.ConfigError.
 from stages.errors import ConfigError
 from stages.quants import TYPES, UNQUANTIZED
 

@@ -522,7 +522,7 @@ def _encode_all(samples: list[Sample], tokenizer) -> Tokenized:
 
 
 def _sample_failure(s: Sample, tokenizer, e: BaseException) -> DataError:
-    from stages.modelcheck import template_at_fault, template_problem
+    from stages.model.check import template_at_fault, template_problem
 
     if template_at_fault(e):
         return DataError(template_problem(tokenizer, e))
@@ -627,7 +627,7 @@ def check_generation_prompt(sample: Sample, tokenizer) -> None:
     at = upto.find(msgs[i]["content"], len(asked)) if msgs[i]["content"] and upto.startswith(asked) else -1
     header = upto[len(asked):at] if at >= 0 else ""
     if asked == plain and header.strip():
-        from stages.modelcheck import chat_template_file
+        from stages.model.check import chat_template_file
 
         where = chat_template_file(Path(getattr(tokenizer, "name_or_path", "") or "."))
         raise DataError(

@@ -47,7 +47,7 @@ from stages.config import RunConfig
 from stages.errors import DiskFull, RunError
 from stages.export import adapter, modelcard, quant_types
 from stages.memory import MemoryReport, track
-from stages.modeldir import resolve_model_dir
+from stages.model.directory import resolve_model_dir
 
 if TYPE_CHECKING:
     from stages.export.stage import ExportResult
@@ -290,7 +290,7 @@ def _serving(cfg: RunConfig, gguf: Path) -> dict:
     """Chat template, BOS/EOS and stop strings, as the GGUF holds them (export checked they equal the HF tokenizer's)."""
     from stages.export import llamacpp
     from stages.export.llamacpp_process import LlamaProcess
-    from stages.modelio import load_tokenizer
+    from stages.model.load import load_tokenizer
 
     tok = load_tokenizer(cfg.model)
     f = llamacpp.read_gguf(gguf)["fields"]

@@ -15,8 +15,8 @@ from pathlib import Path
 from stages import data
 from stages.config import ConfigError, RunConfig, load_config
 from stages.errors import UserError
-from stages.modelcheck import check_model_dir
-from stages.modeldir import resolve_model_dir
+from stages.model.check import check_model_dir
+from stages.model.directory import resolve_model_dir
 
 
 def load(path: str | Path, overrides: list[str] | None = None) -> RunConfig:

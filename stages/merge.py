@@ -24,14 +24,17 @@ from pathlib import Path
 import torch
 from peft import PeftModel
 
-from stages import errors, expert_lora, expert_nf4, inputs, memory, moe, result_files
+from stages import errors, inputs, memory, result_files
 from stages.artifact import Artifact
 from stages.config import RunConfig
 from stages.errors import MissingInput
 from stages.export import fidelity
 from stages.memory import MemoryReport
-from stages.modeldir import resolve_model_dir
-from stages.modelio import load_base, load_tokenizer
+from stages.model.directory import resolve_model_dir
+from stages.model.experts import lora as expert_lora
+from stages.model.experts import nf4 as expert_nf4
+from stages.model.experts import structure
+from stages.model.load import load_base, load_tokenizer
 
 TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 KL_TOLERANCE = {torch.float32: 1e-6, torch.bfloat16: 1e-2, torch.float16: 1e-2}
@@ -83,7 +86,7 @@ def run(cfg: RunConfig, adapter_dir: Path, out_dir: Path) -> MergeResult:
         qlora = cfg.quantization.load_in_4bit
         choices = ["16bit"] if not qlora else (["16bit", "dequantized-nf4"] if cfg.merge.base == "auto" else [cfg.merge.base])
         if qlora:
-            with moe.peft_targets_as_given():
+            with structure.peft_targets_as_given():
                 trained = PeftModel.from_pretrained(load_base(cfg.model, cfg.quantization), adapter_dir)
             expert_lora.use_grouped_lora(trained)   # NF4 expert stacks compute through the grouped path only
             reference = fidelity.log_probs(trained, sequences)
@@ -137,7 +140,7 @@ def _merge(cfg: RunConfig, adapter_dir: Path, choice: str, sequences: list[list[
         base = load_base(cfg.model, cfg.quantization, quantized=True)
         expert_nf4.dequantize_all(base)   # transformers' dequantize() knows the linear layers only
         base = base.dequantize()
-    with moe.peft_targets_as_given():
+    with structure.peft_targets_as_given():
         model = PeftModel.from_pretrained(base, adapter_dir)
     model.eval()
     probe = {"input_ids": torch.tensor([sequences[0]], device=model.device)}

@@ -16,7 +16,7 @@
    CPU the available RAM) less the CUDA context and `preflight.margin`; when it does not fit,
    stops with the reason and the single config changes that would make it fit, smallest first.
 
-The estimate is the analytic model in stages/memory_model.py, fitted to runs measured on an
+The estimate is the analytic model in stages/train/memory_model.py, fitted to runs measured on an
 H200 (docs/benchmarks.md: gpu_figure).
 """
 
@@ -28,15 +28,16 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from stages import architecture, checks, data, inputs, memory, result_files
+from stages import checks, data, inputs, memory, result_files
 from stages.artifact import Artifact
 from stages.config import ConfigError, RunConfig
 from stages.errors import UserError
 from stages.memory import CUDA_CONTEXT_GIB, GIB, MemoryReport
-from stages.memory_model import Estimate, Shapes, estimate, loss_mode
-from stages.modelio import load_tokenizer
+from stages.model import architecture
+from stages.model.load import load_tokenizer
 from stages.train import batches, eval_loss, packing, widen
 from stages.train.kernels import resolve_auto
+from stages.train.memory_model import Estimate, Shapes, estimate, loss_mode
 
 # Probe when the estimate is below this multiple of the budget: a run capped at the estimate
 # completed and one capped 3% lower ran out on every row checked (docs/benchmarks.md: gpu_figure),

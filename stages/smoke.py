@@ -32,7 +32,7 @@ from stages.errors import MissingInput, UserError
 from stages.export import llamacpp, serving
 from stages.export.llamacpp_process import LlamaCrashed, LlamaProcess
 from stages.memory import GIB, MemoryReport
-from stages.modelio import load_tokenizer
+from stages.model.load import load_tokenizer
 
 COMPUTE_BUFFER_GIB = 0.35   # llama.cpp's scratch for a batch of 512 on a 7B; small models use less
 MARGIN = 0.10               # of the card, kept free for the driver and fragmentation

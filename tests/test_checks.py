@@ -1,5 +1,5 @@
 """What the preflight finds before training (stages/checks.py) and the model-directory check's architecture
-comparison (stages/modelcheck.py), on real files, processes, sockets and filesystems.
+comparison (stages/model/check.py), on real files, processes, sockets and filesystems.
 
 The reliability suite runs each problem end to end through both entry points; these tests pin the parts:
 no false alarm on checkpoints that load, the family named on a mismatch, the estimate against real GGUF
@@ -24,9 +24,10 @@ from pathlib import Path
 
 import pytest
 
-from stages import checks, data, errors, modelcheck
+from stages import checks, data, errors
 from stages.config import load_config
-from stages.modelio import load_tokenizer
+from stages.model import check
+from stages.model.load import load_tokenizer
 from stages.train import tracking
 from tests.conftest import DEFAULT, REPO, write_config
 
@@ -67,7 +68,7 @@ def _relabelled(src: Path, dst: Path, model_type: str) -> Path:
 
 def test_the_embedded_defaults_and_saved_checkpoints_pass(checkpoints):
     for d in (REPO / "assets" / "tiny-llama", REPO / "assets" / "tiny-chatml", *checkpoints.values()):
-        assert modelcheck.check_model_dir(d) == [], d
+        assert check.check_model_dir(d) == [], d
 
 
 @pytest.mark.parametrize("config_type,weights_type,names", [
@@ -80,7 +81,7 @@ def test_the_embedded_defaults_and_saved_checkpoints_pass(checkpoints):
 ])
 def test_a_config_of_another_family_is_refused_with_the_family_that_fits(config_type, weights_type, names, checkpoints, tmp_path):
     d = _relabelled(checkpoints[(weights_type, False)], tmp_path / "m", config_type)
-    [problem] = modelcheck.check_model_dir(d)
+    [problem] = check.check_model_dir(d)
     assert f"model_type {config_type!r} ({FAMILIES[config_type]}) does not match the weights" in problem and names in problem
     # the first family that expects exactly these tensors (mistral's layout is llama's)
     assert f"set model_type to {weights_type!r} (and architectures to [{FAMILIES[weights_type]!r}])" in problem
@@ -88,7 +89,7 @@ def test_a_config_of_another_family_is_refused_with_the_family_that_fits(config_
 
 def test_a_family_with_the_same_tensors_is_not_a_mismatch(checkpoints, tmp_path):
     """Mistral's weights are named and shaped as Llama's: such a config loads them as they are."""
-    assert modelcheck.check_model_dir(_relabelled(checkpoints[("llama", False)], tmp_path / "m", "mistral")) == []
+    assert check.check_model_dir(_relabelled(checkpoints[("llama", False)], tmp_path / "m", "mistral")) == []
 
 
 def test_names_are_read_as_transformers_loads_them(checkpoints, tmp_path):
@@ -99,13 +100,13 @@ def test_names_are_read_as_transformers_loads_them(checkpoints, tmp_path):
     shutil.copytree(checkpoints[("llama", True)], bare)
     weights = load_file(bare / "model.safetensors")
     save_file({k.removeprefix("model."): v for k, v in weights.items()}, bare / "model.safetensors", metadata={"format": "pt"})
-    assert modelcheck.check_model_dir(bare) == []
+    assert check.check_model_dir(bare) == []
 
     shapes = {"mixtral": dict(model_type="mixtral", architectures=["MixtralForCausalLM"], num_local_experts=4, **TINY)}
     moe = _grid().make_checkpoint("mixtral", tmp_path, shapes)
-    header, _ = modelcheck.read_header(moe / "model.safetensors")
+    header, _ = check.read_header(moe / "model.safetensors")
     assert any(".block_sparse_moe.experts.0.w1.weight" in k for k in header)  # saved in the published layout
-    assert modelcheck.check_model_dir(moe) == []
+    assert check.check_model_dir(moe) == []
 
 
 def test_a_4bit_checkpoint_with_its_extra_tensors_passes(checkpoints, tmp_path):
@@ -118,9 +119,9 @@ def test_a_4bit_checkpoint_with_its_extra_tensors_passes(checkpoints, tmp_path):
     model.save_pretrained(dst)
     for f in ("tokenizer.model", "tokenizer_config.json"):
         shutil.copy(src / f, dst / f)
-    header, _ = modelcheck.read_header(dst / "model.safetensors")
+    header, _ = check.read_header(dst / "model.safetensors")
     assert any(k.endswith(".weight.absmax") for k in header)
-    assert modelcheck.check_model_dir(dst) == []
+    assert check.check_model_dir(dst) == []
 
 
 # --- the chat template --------------------------------------------------------------------------
@@ -132,7 +133,7 @@ def test_a_template_escaping_the_sandbox_is_named_not_the_data(tmp_path):
     config = json.loads((model / "tokenizer_config.json").read_text())
     template = "{% for m in messages %}{{ m['content'] }}{% if 'cat' in m['content'] %}{{ ''.__class__.__mro__ }}{% endif %}{% endfor %}"
     (model / "tokenizer_config.json").write_text(json.dumps(config | {"chat_template": template}))
-    assert modelcheck.check_model_dir(model) == []  # the probe conversation does not reach the escape; the data does
+    assert check.check_model_dir(model) == []  # the probe conversation does not reach the escape; the data does
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model)
@@ -287,7 +288,7 @@ def test_the_tool_probes_pass_here_and_a_stuck_one_is_named(tmp_path):
 
 
 def test_the_whole_check_passes_on_the_default(tmp_path):
-    from stages.modelio import load_tokenizer
+    from stages.model.load import load_tokenizer
 
     cfg = load_config(write_config(tmp_path))
     t0 = time.monotonic()

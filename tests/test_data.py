@@ -9,7 +9,7 @@ import pytest
 
 from stages import data
 from stages.config import load_config
-from stages.modelio import load_tokenizer
+from stages.model.load import load_tokenizer
 from tests.conftest import DEFAULT
 
 

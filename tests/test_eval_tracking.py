@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from stages import train
 from stages.config import ConfigError, load_config
-from stages.modelio import load_tokenizer
+from stages.model.load import load_tokenizer
 from stages.train import batches, eval_loss, tracking
 from stages.train import model as lora_model
 from tests.conftest import REPO, write_config

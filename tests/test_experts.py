@@ -13,8 +13,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import pytest
 import torch
 
-from stages import expert_lora as experts
-from stages import moe
+from stages.model.experts import lora as experts
+from stages.model.experts import structure
 
 E, H, I, R = 4, 64, 32, 4     # experts, hidden, expert intermediate, LoRA rank; multiples of 4 for grouped_mm's alignment
 COMMON = dict(hidden_size=H, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -58,7 +58,7 @@ def wrappers(peft_model) -> dict[str, torch.nn.Module]:
     return out
 
 
-def expected_delta(w, stack: moe.ExpertStack) -> torch.Tensor:
+def expected_delta(w, stack: structure.ExpertStack) -> torch.Tensor:
     """Each expert's scaling * B_e @ A_e, laid out as the stack is stored, read off lora_A / lora_B by hand:
     A's rows e*r .. e*r+r-1 and B's columns e, e+E, e+2E, ... belong to expert e."""
     a, b, s = w.lora_A["default"].weight, w.lora_B["default"].weight, w.scaling["default"]
@@ -72,7 +72,7 @@ def expected_delta(w, stack: moe.ExpertStack) -> torch.Tensor:
 @pytest.mark.parametrize("family", FAMILIES)
 def test_fused_experts_are_found_by_walking_the_model(family):
     model = tiny(family)
-    parts = moe.fused_experts(model)
+    parts = structure.fused_experts(model)
     block = "block_sparse_moe" if family == "granitemoe" else "mlp"
     assert parts.target_parameters == ["experts.down_proj", "experts.gate_up_proj"]
     assert [s.name for s in parts.stacks if s.leaf == "gate_up_proj"] == [f"model.layers.{i}.{block}.experts.gate_up_proj" for i in (0, 1)]
@@ -93,7 +93,7 @@ def test_fused_experts_are_found_by_walking_the_model(family):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_expert_lora_trains_and_merges_exactly(family):
     model = tiny(family)
-    parts = moe.fused_experts(model)
+    parts = structure.fused_experts(model)
     routers = {n: model.get_parameter(n).detach().clone() for n in parts.routers}
     base = {s.name: model.get_parameter(s.name).detach().clone() for s in parts.stacks}
     pm = lora(model, parts.target_parameters)
@@ -164,7 +164,7 @@ def test_peft_rewrites_v4_expert_names_for_some_families():
 def _routed(family: str, r: int = R):
     """One MoE block of a tiny model with non-zero adapters on both stacks, and a routed batch for it."""
     model = tiny(family)
-    pm = lora(model, moe.fused_experts(model).target_parameters, init_lora_weights=False, r=r)
+    pm = lora(model, structure.fused_experts(model).target_parameters, init_lora_weights=False, r=r)
     block = pm.base_model.model.model.layers[1].mlp
     torch.manual_seed(2)
     x = torch.randn(24, H, requires_grad=True)
@@ -225,7 +225,7 @@ def test_peft_keeps_a_full_stack_copy_for_backward_and_grouped_lora_does_not():
 def _nf4_checkpoint(family: str, tmp_path):
     """A tiny `family` model saved, loaded back QLoRA through the stages' loader, and loaded back 16-bit."""
     from stages.config import ModelSection, QuantizationSection
-    from stages.modelio import load_base
+    from stages.model.load import load_base
 
     kw = {"attn_implementation": "eager"} if family == "gpt_oss" else {}
     tiny(family).save_pretrained(tmp_path / family)
@@ -237,17 +237,17 @@ def _nf4_checkpoint(family: str, tmp_path):
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "olmoe", "mixtral", "granitemoe", "gpt_oss"])
 def test_qlora_loads_every_expert_stack_in_nf4_and_computes_it_as_its_dequantized_weights(family, tmp_path):
-    from stages import expert_nf4
+    from stages.model.experts import nf4 as expert_nf4
 
     nf4, full = _nf4_checkpoint(family, tmp_path)
-    stacks = moe.fused_experts(full).stacks
+    stacks = structure.fused_experts(full).stacks
     packed = {n: getattr(nf4.get_submodule(n), leaf) for n, leaves in expert_nf4.stacks(nf4).items() for leaf in leaves}
     assert sum(len(v) for v in expert_nf4.stacks(nf4).values()) == len(stacks) == 4
     for s in stacks:   # half a byte per weight, the 3-D shape kept for peft and for the estimate
         p = nf4.get_parameter(s.name)
         assert p.dtype == torch.uint8 and p.numel() * 2 == s.experts * s.in_features * s.out_features
         assert p.ds_shape == full.get_parameter(s.name).shape
-    assert [(s.name, s.in_features, s.out_features) for s in moe.fused_experts(nf4).stacks] == \
+    assert [(s.name, s.in_features, s.out_features) for s in structure.fused_experts(nf4).stacks] == \
         [(s.name, s.in_features, s.out_features) for s in stacks]
     assert packed
 
@@ -266,7 +266,7 @@ def test_nf4_experts_train_their_lora_through_the_grouped_path_and_the_disabled_
     x = torch.randint(3, 128, (2, 12))
     with torch.no_grad():
         plain = nf4(input_ids=x).logits   # before peft wraps it
-    pm = lora(nf4, moe.fused_experts(nf4).target_parameters, init_lora_weights=False)
+    pm = lora(nf4, structure.fused_experts(nf4).target_parameters, init_lora_weights=False)
     assert experts.use_grouped_lora(pm) == 2
     with torch.no_grad(), pm.disable_adapter():
         base = pm(input_ids=x).logits
@@ -284,7 +284,7 @@ def test_nf4_experts_train_their_lora_through_the_grouped_path_and_the_disabled_
 def test_nf4_grouped_matmul_input_gradient_is_that_of_the_dequantized_stack():
     import bitsandbytes as bnb
 
-    from stages import expert_nf4
+    from stages.model.experts import nf4 as expert_nf4
 
     torch.manual_seed(3)
     w = torch.randn(E, 2 * I, H) * 0.05
@@ -307,7 +307,7 @@ def test_a_checkpointed_nf4_step_dequantizes_each_stack_twice_and_a_plain_forwar
     import bitsandbytes as bnb
     from torch.utils.checkpoint import checkpoint
 
-    from stages import expert_nf4
+    from stages.model.experts import nf4 as expert_nf4
 
     torch.manual_seed(4)
     p = bnb.nn.Params4bit(torch.randn(E, 2 * I, H) * 0.05, requires_grad=False, blocksize=64,

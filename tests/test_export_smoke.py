@@ -15,7 +15,7 @@ from stages import export, memory, smoke
 from stages.config import load_config
 from stages.export import fidelity, llamacpp, vocab
 from stages.export.llamacpp_process import LlamaCrashed, LlamaProcess
-from stages.modelio import load_tokenizer
+from stages.model.load import load_tokenizer
 from tests.conftest import REPO, write_config
 
 pytestmark = pytest.mark.slow
@@ -217,7 +217,7 @@ def test_every_registered_quant_type_is_what_llama_cpp_writes(run_dir, tmp_path)
     file type, every tensor in the type the export's port of llama.cpp's rule expects, and the disk check sizes the
     file within a fifth (the tiny model's vocabulary vectors and metadata weigh more than a 7B's)."""
     from stages import checks, quants
-    from stages.modelcheck import read_header
+    from stages.model.check import read_header
 
     f16 = run_dir / "export" / "model-f16.gguf"
     header, _ = read_header(run_dir / "merge" / "model" / "model.safetensors")

@@ -123,8 +123,8 @@ def test_every_family_trains_merges_exports_and_runs_under_llama_cpp(family, tmp
 
 
 def test_a_qlora_moe_trains_on_nf4_experts_and_merges_into_both_bases(tmp_path):
-    from stages import expert_nf4
-    from stages.modelio import load_base
+    from stages.model.experts import nf4 as expert_nf4
+    from stages.model.load import load_base
 
     model_dir, asset = tiny_model("qwen3_moe", tmp_path / "model")
     cfg = _config(tmp_path, model_dir, asset)

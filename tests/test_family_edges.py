@@ -11,9 +11,10 @@ import shutil
 import pytest
 import torch
 
-from stages import architecture, memory_model, merge, smoke
+from stages import merge, smoke
 from stages.config import ConfigError, load_config
-from stages.train import kernels
+from stages.model import architecture
+from stages.train import kernels, memory_model
 from tests.conftest import REPO, write_config
 
 SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

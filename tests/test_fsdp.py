@@ -17,9 +17,9 @@ from safetensors.torch import load_file
 
 from stages import train
 from stages.config import ConfigError, RunConfig, load_config
-from stages.memory_model import Shapes, estimate
 from stages.preflight import fsdp_over
 from stages.train import launch
+from stages.train.memory_model import Shapes, estimate
 from tests.conftest import REPO, write_config
 
 pytestmark = pytest.mark.slow

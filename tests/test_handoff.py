@@ -19,7 +19,7 @@ def gguf(tmp_path, name, payload: bytes, extra_tokens: tuple[str, ...] = (), tem
     import numpy as np
     from gguf import GGUFWriter
 
-    from stages.modelio import load_tokenizer
+    from stages.model.load import load_tokenizer
 
     tok = load_tokenizer(load_config(write_config(tmp_path)).model)
     p = tmp_path / name

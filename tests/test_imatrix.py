@@ -60,7 +60,7 @@ def test_the_imatrix_file_is_llamas_format_and_covers_every_quantized_matrix(aut
 
 def test_calibration_never_uses_the_held_out_texts(tmp_path):
     from stages import data
-    from stages.modelio import load_tokenizer
+    from stages.model.load import load_tokenizer
 
     cfg = load_config(write_config(tmp_path, data={"eval_file": None, "eval_split": None}, smoke={"check": "stops"}))
     tok = load_tokenizer(cfg.model)

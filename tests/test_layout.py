@@ -99,8 +99,8 @@ def test_the_graph_sees_the_imports():
     assert "stages.train.model" in g["stages.train.stage"]           # top level, from a sibling
     assert "stages.train.stage" in g["stages.train"]                   # the package's lazy API
     assert "stages.train.hf_trainer" in g["stages.preflight"]          # inside a function
-    assert "stages.architecture" in g["stages.train.sharding"]         # decoder_layers
-    assert "stages.config" not in g["stages.modelio"]                  # only under TYPE_CHECKING
+    assert "stages.model.architecture" in g["stages.train.sharding"]         # decoder_layers
+    assert "stages.config" not in g["stages.model.load"]               # only under TYPE_CHECKING
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
 
 
@@ -134,12 +134,12 @@ def test_a_stage_package_loads_its_stage_only_when_asked():
 
 
 # The floors of stages/, lowest first. The ground (the schema, paths, errors, memory measurement, data, the base model
-# and its experts) serves every stage; the stages' pieces (train/, export/, merge, smoke, and the analytic memory model,
-# which is arithmetic on the train stage's own settings and which training reads too, to size its packed budget) build
-# on it; the modules that check or decide across stages (the preflight and its checks, the hand-off and its champion
-# comparison) sit on top. An import points down or sideways, never up.
+# and its experts in model/) serves every stage; the stages' pieces (train/, with the analytic memory model, which is
+# arithmetic on the train stage's own settings and which training reads too, to size its packed budget; export/, merge,
+# smoke) build on it; the modules that check or decide across stages (the preflight and its checks, the hand-off and its
+# champion comparison) sit on top. An import points down or sideways, never up.
 TOP = {"stages.preflight", "stages.checks", "stages.handoff", "stages.champion"}
-PIECES = {"stages.merge", "stages.smoke", "stages.memory_model"}
+PIECES = {"stages.merge", "stages.smoke"}
 
 
 def floor(module: str) -> int:
@@ -154,6 +154,23 @@ def test_no_import_points_up_a_floor():
     up = [f"{m} -> {d}" for m, deps in import_graph().items() for d in sorted(deps) if floor(d) > floor(m)]
     assert not up, "imports up a floor: " + "; ".join(up)
     assert floor("stages.config") == 0 and floor("stages.train.stage") == 1 and floor("stages.preflight") == 2
+
+
+# Outside train/, only the preflight reads pieces of the train stage (what `auto` resolves to, the packing, the plan for
+# the card, the estimate), and its checks the tracking store the stage will write to. Nothing else does: not the ground,
+# not the other stages, so training is never loaded, nor a circle closed, by a module that merely sits beside it.
+TRAIN_READERS = {"stages.preflight", "stages.checks"}
+
+
+def in_train(module: str) -> bool:
+    return module == "stages.train" or module.startswith("stages.train.")
+
+
+def test_only_the_preflight_imports_the_train_stage_from_outside_it():
+    readers = {m: sorted(filter(in_train, deps)) for m, deps in import_graph().items() if not in_train(m)}
+    strays = {m: deps for m, deps in readers.items() if deps and m not in TRAIN_READERS}
+    assert not strays, f"imports of stages.train from outside it (only {sorted(TRAIN_READERS)} may): {strays}"
+    assert readers["stages.preflight"] and "stages.train.memory_model" in import_graph()["stages.train.widen"]
 
 
 def test_nothing_in_stages_imports_prefect_or_the_flows():
@@ -206,4 +223,7 @@ def test_the_readme_floor_plan_names_every_module_on_its_floor():
     missing = [f"{path.stem} (floor {floor('stages.' + path.stem)})" for path in sorted(STAGES.glob("*.py"))
                if path.stem != "__init__" and f"`{path.stem}`" not in rows[floor("stages." + path.stem)]]
     missing += [f"{pkg}/ (floor 1)" for pkg in ("train", "export") if f"`{pkg}/`" not in pieces]
+    missing += [f"{pkg}/ (floor 0)" for pkg in ("model", "model/experts") if f"`{pkg}/`" not in ground]
+    missing += [f"model/{path.relative_to(STAGES / 'model')} (floor 0)" for path in sorted((STAGES / "model").rglob("*.py"))
+                if path.stem != "__init__" and f"`{path.stem}`" not in ground]
     assert not missing, "README's Layout table lacks, on its floor: " + ", ".join(missing)

@@ -13,9 +13,10 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from stages import architecture, merge
+from stages import merge
 from stages.config import load_config
 from stages.errors import ConfigError
+from stages.model import architecture
 from stages.train import stage as train_stage
 from tests.conftest import REPO, killed_rerun_against_straight, write_config
 

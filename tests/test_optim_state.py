@@ -10,7 +10,7 @@ bnb = pytest.importorskip("bitsandbytes")
 
 from stages import data  # noqa: E402
 from stages.config import load_config  # noqa: E402
-from stages.modelio import load_tokenizer  # noqa: E402
+from stages.model.load import load_tokenizer  # noqa: E402
 from stages.train import batches, hf_trainer, optim_state  # noqa: E402
 from stages.train import model as lora_model  # noqa: E402
 from tests.conftest import write_config  # noqa: E402

@@ -51,7 +51,7 @@ def test_a_sample_longer_than_the_budget_is_refused_by_name(tmp_path):
 
 def _rows(cfg, n: int) -> list[dict]:
     from stages import data
-    from stages.modelio import load_tokenizer
+    from stages.model.load import load_tokenizer
 
     tok = data.tokenize(data.read_jsonl(cfg.data.train_file)[:n], load_tokenizer(cfg.model), cfg.data.max_length, "error")
     return batches.rows(tok)
@@ -184,9 +184,9 @@ def test_preflight_sizes_a_packed_run_by_the_heaviest_micro_batch_its_plan_holds
     import json
 
     from stages import data
-    from stages.memory_model import Shapes, estimate
-    from stages.modeldir import resolve_model_dir
-    from stages.modelio import load_tokenizer
+    from stages.model.directory import resolve_model_dir
+    from stages.model.load import load_tokenizer
+    from stages.train.memory_model import Shapes, estimate
 
     # no eval data: the eval's own micro-batches are the test below
     cfg = load_config(write_config(tmp_path, training={"packing": "on", "max_tokens_per_batch": 512, "max_steps": 6},
@@ -265,7 +265,7 @@ def test_preflight_sizes_a_packed_run_by_an_eval_micro_batch_fuller_than_any_it_
     """Eval packs the held-out rows end to end to the training budget; a short run's plan can hold no micro-batch as
     full (bench/moe_capped: OLMoE and Granite-MoE packed ran out in the eval at step 10, under the figure of a
     probe sized by the training plan alone). The probe's rows are then the eval micro-batch's, and the report says so."""
-    from stages.modelio import load_tokenizer
+    from stages.model.load import load_tokenizer
     from stages.train import eval_loss
 
     cfg = load_config(write_config(tmp_path, training={"packing": "on", "max_tokens_per_batch": 512, "max_steps": 1,

@@ -6,9 +6,10 @@ import json
 
 import pytest
 
-from stages import data, memory_model, preflight
+from stages import data, preflight
 from stages.config import ConfigError, RunConfig, load_config
-from stages.modelio import load_tokenizer
+from stages.model.load import load_tokenizer
+from stages.train import memory_model
 from tests.conftest import REPO, write_config
 
 TOY = {"model_type": "llama", "vocab_size": 100, "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 2,

@@ -13,11 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from stages import checks, data, handoff, merge, modelio, preflight, smoke
+from stages import checks, data, handoff, merge, preflight, smoke
 from stages.config import load_config
 from stages.export import llamacpp, modelcard, vocab
 from stages.export import stage as export_stage
 from stages.export.llamacpp_process import LlamaProcess
+from stages.model import load
 from stages.train import stage as train_stage
 from tests import real_tokenizers as rt
 from tests.conftest import write_config
@@ -87,7 +88,7 @@ def _config(tmp_path: Path, model_dir: Path, model_name: str):
 def test_a_release_tokenizer_trains_exports_serves_and_stops_at_its_end_of_turn(name, served_as, tmp_path):
     model_dir, release = tiny_model(name, tmp_path / "model")
     cfg = _config(tmp_path, model_dir, "support-bot")
-    tok = modelio.load_tokenizer(cfg.model)
+    tok = load.load_tokenizer(cfg.model)
 
     pre = preflight.run(cfg, tmp_path / "preflight")   # the converter's vocabulary against the HF tokenizer, before training
     trained = train_stage.run(cfg, tmp_path / "train")
@@ -137,7 +138,7 @@ def test_llama_3s_tokenizer_passes_the_preflight_and_stops_at_eot_id(tmp_path):
     preflight's check of the converter's vocabulary against the HF tokenizer; its stop tokens and Ollama template."""
     model_dir, release = tiny_model("llama-bpe", tmp_path / "model")
     cfg = _config(tmp_path, model_dir, "support-bot")
-    tok = modelio.load_tokenizer(cfg.model)
+    tok = load.load_tokenizer(cfg.model)
     gguf = vocab.start(model_dir, llamacpp.converter_dir(), vocab.served_name("support-bot", tok, model_dir)).wait()
     checks.served_tokenizer(cfg, tok, gguf, model_dir)   # the preflight's check: metadata, 40 chat texts tokenized both ways
     assert llamacpp.read_gguf(gguf)["fields"]["tokenizer.ggml.pre"] == "llama-bpe"   # the converter knew it by its table

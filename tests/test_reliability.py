@@ -690,7 +690,7 @@ def test_special_token_text_trains_as_plain_text(tmp_path):
     the template's control tokens only; the preflight names the sample."""
     from stages import data, preflight
     from stages.config import load_config
-    from stages.modelio import load_tokenizer
+    from stages.model.load import load_tokenizer
 
     TRIED["data (accepted)"] += 1
     ws = Workspace(tmp_path)
@@ -722,7 +722,7 @@ def test_named_chat_templates_train_and_serve_the_default(tmp_path):
     from stages import data, preflight
     from stages.config import load_config
     from stages.export import llamacpp, vocab
-    from stages.modelio import load_tokenizer
+    from stages.model.load import load_tokenizer
 
     TRIED["model (accepted)"] += 1
     ws = Workspace(tmp_path)

@@ -12,8 +12,10 @@ import sys
 import pytest
 import torch
 
-from stages import architecture, memory_model, preflight, train
+from stages import preflight, train
 from stages.config import ConfigError, load_config
+from stages.model import architecture
+from stages.train import memory_model
 from stages.train import model as lora_model
 from tests.conftest import REPO, write_config
 

@@ -14,7 +14,7 @@ import torch
 
 from stages import data, train
 from stages.config import ConfigError, load_config
-from stages.modelio import load_tokenizer
+from stages.model.load import load_tokenizer
 from stages.train import batches, hf_trainer, kernels, oom
 from stages.train import model as lora_model
 from stages.train import stage as train_stage
@@ -208,7 +208,7 @@ def test_tokens_per_second_counts_only_the_micro_batches_trained_on(tmp_path):
     step has fewer micro-batches than the accumulation: train_tokens counts what was trained on.
     10 rows, micro-batch 2, accumulation 2: epoch 1 = 5 micro-batches in 3 steps, step 4 = 2 more."""
     from stages import data
-    from stages.modelio import load_tokenizer
+    from stages.model.load import load_tokenizer
 
     rows = tmp_path / "ten.jsonl"
     rows.write_text("".join((REPO / "assets/data/translate_train.jsonl").read_text().splitlines(keepends=True)[:10]))

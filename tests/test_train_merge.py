@@ -10,7 +10,7 @@ from peft import PeftModel
 
 from stages import merge, train
 from stages.config import load_config
-from stages.modelio import load_base, load_tokenizer
+from stages.model.load import load_base, load_tokenizer
 from stages.train import model as lora_model
 from tests.conftest import write_config
 

@@ -4,8 +4,8 @@ wider micro-batches, only as wide as the estimate fits, and the OOM recovery sti
 from __future__ import annotations
 
 from stages.config import RunConfig
-from stages.memory_model import Shapes, estimate
 from stages.train import batches, packing, widen
+from stages.train.memory_model import Shapes, estimate
 from stages.train.oom import halve_micro_batch
 
 

@@ -40,7 +40,7 @@ def measure(kind: str, cfg_path: Path) -> dict:
     from stages import data, preflight
     from stages.config import load_config
     from stages.memory import peak_rss_gib
-    from stages.modelio import load_tokenizer
+    from stages.model.load import load_tokenizer
 
     cfg = load_config(cfg_path)
     tok = load_tokenizer(cfg.model)

@@ -50,8 +50,8 @@ def main() -> None:
     from memory_grid import run_config
     from preflight_grid import make_checkpoint
 
-    from stages import memory, memory_model, preflight
-    from stages.train import kernels
+    from stages import memory, preflight
+    from stages.train import kernels, memory_model
     from stages.train import model as lora_model
 
     out = []

@@ -294,7 +294,7 @@ def make_data(root: Path, max_length: int, micro_batch: int, packed: bool, seed:
     """Train and eval JSONL of long-tailed lengths (log-normal, median max_length / 6), 3% over max_length
     (truncated to it by the policy), enough samples for STEPS optimizer steps of full micro-batches."""
     from stages.config import ModelSection
-    from stages.modelio import load_tokenizer
+    from stages.model.load import load_tokenizer
 
     out = root / f"data-{max_length}-{micro_batch}-{'packed' if packed else 'padded'}"
     train, held = out / "train.jsonl", out / "eval.jsonl"
@@ -442,7 +442,8 @@ def bisect_cap(go, lo: float, hi: float, need: float | None, fail: float | None,
 def run_row(mode: str, name: str, work: Path, cpu: bool, deadline: float) -> dict:
     import torch
 
-    from stages import memory_model, preflight
+    from stages import preflight
+    from stages.train import memory_model
 
     shape, quant, packing, max_length, mb, r, targets = ROWS[name]
     model_dir = checkpoint(shape, work / "models")

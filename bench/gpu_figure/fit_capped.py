@@ -21,7 +21,7 @@ def recompute(row: dict, coef: dict | None = None) -> tuple[float, float]:
     """(estimate, allocation part) for a grid row, with the code as it is now."""
     from capped_grid import ROWS, row_config
 
-    from stages import memory_model
+    from stages.train import memory_model
 
     cfg = row_config(row["name"], Path("m"), Path("t.jsonl"), Path("e.jsonl"), Path("/tmp/w"), False)
     if tuple(ROWS[row["name"]][:5]) != (row["shape"], row["quant"], row["packing"], row["max_length"], row["micro_batch"]):
@@ -36,7 +36,7 @@ def recompute(row: dict, coef: dict | None = None) -> tuple[float, float]:
 
 def table(rows: list[dict]) -> str:
     """One line per validated row: the run capped at the estimate, and at 0.95 x it."""
-    from stages import memory_model
+    from stages.train import memory_model
 
     out = ["| row | model shape (what it tests) | mode | micro-batches | LoRA | estimate GiB | peak allocated GiB | at the estimate | at 0.95 x |",
            "|---|---|---|---|---|---|---|---|---|"]

@@ -1,11 +1,11 @@
-"""Fit the preflight estimate (stages.memory_model.COEF) to the default-settings grid, and report it.
+"""Fit the preflight estimate (stages.train.memory_model.COEF) to the default-settings grid, and report it.
 
     python bench/gpu_figure/fit_memory.py                       # fit on the fitting shapes, report every row
     python bench/gpu_figure/fit_memory.py --report              # no fit: the committed COEF against every row
     python bench/gpu_figure/fit_memory.py --hold-out llama-3b   # fit without a shape, see how it does there
 
 Reads bench/gpu_figure/results/memory_grid_raw_run*.jsonl (bench/gpu_figure/memory_grid.py on an H200). The model
-being fitted is stages.memory_model.estimate itself, called with candidate coefficients, so the
+being fitted is stages.train.memory_model.estimate itself, called with candidate coefficients, so the
 formula has one source. The activation coefficients are fitted against the measured peak
 *allocated* (what the tensors take); the allocator's slack on top is not fitted but set from
 bench/gpu_figure/cap_check.py (a capped run gives back what an uncapped one over-reserves). Under-estimates
@@ -32,7 +32,7 @@ sys.path.insert(0, str(REPO / "bench" / "gpu_figure"))
 from memory_grid import run_config  # noqa: E402
 from preflight_grid import SHAPES  # noqa: E402
 
-from stages import memory_model  # noqa: E402
+from stages.train import memory_model  # noqa: E402
 
 HELD_OUT = {"smollm2-360m", "qwen2.5-0.5b"}
 # layer_kv stays at its count (the saved keys and values): key/value width is too close to a fixed share of the

@@ -122,9 +122,9 @@ def run_group(index: int, out: Path, deadline: float) -> None:
     import torch
     from preflight_grid import make_checkpoint
 
-    from stages import memory, memory_model, preflight
+    from stages import memory, preflight
     from stages.memory import GIB
-    from stages.train import kernels
+    from stages.train import kernels, memory_model
     from stages.train import model as lora_model
 
     shape, quant, r, targets, shapes_rows = GROUPS[index]

@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # as training runs (stages/modelio.py)
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # as training runs (stages/model/load.py)
 
 import torch  # noqa: E402
 

@@ -6,7 +6,7 @@ For one model shape: a random-init checkpoint is written to local disk (memory d
 shapes, not values), with the tiny default's SentencePiece tokenizer beside it so the
 pipeline's own loaders work. Then, for every config of the grid, through the pipeline's
 own code paths:
-  estimate   stages.memory_model.estimate (re-computed offline by preflight_grid_report.py)
+  estimate   stages.train.memory_model.estimate (re-computed offline by preflight_grid_report.py)
   probe      stages.preflight.probe: two optimizer steps on the worst padded micro-batch
   measured   stages.train.hf_trainer.make_trainer: 20 steps on rows of random length in [seq/2, seq],
              one of them exactly seq, padded dynamically as in training; peak reserved.
@@ -29,10 +29,10 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from stages import memory_model, preflight  # noqa: E402
+from stages import preflight  # noqa: E402
 from stages.config import RunConfig  # noqa: E402
 from stages.memory import GIB  # noqa: E402
-from stages.train import batches, hf_trainer  # noqa: E402
+from stages.train import batches, hf_trainer, memory_model  # noqa: E402
 from stages.train import model as lora_model  # noqa: E402
 
 SHAPES = {

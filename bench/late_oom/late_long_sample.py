@@ -36,7 +36,7 @@ sys.path.insert(0, str(REPO / "bench" / "gpu_figure"))
 from stages import data, preflight, train  # noqa: E402
 from stages.config import load_config  # noqa: E402
 from stages.memory import GIB  # noqa: E402
-from stages.modelio import load_tokenizer  # noqa: E402
+from stages.model.load import load_tokenizer  # noqa: E402
 
 WORDS = "red blue green black white cat dog bird fish tree sun moon star rain snow house door book road hill".split()
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from stages import expert_lora, expert_nf4
+from stages.model.experts import lora as expert_lora
+from stages.model.experts import nf4 as expert_nf4
 
 _gmm = getattr(F, "grouped_mm", None) or torch._grouped_mm
 
@@ -49,7 +50,7 @@ def forward(experts, hidden_states, top_k_index, top_k_weights, factors):
 
 
 def use() -> object:
-    """Points stages.expert_lora's adapted path at the compiled math; returns what to put back."""
+    """Points stages.model.experts.lora's adapted path at the compiled math; returns what to put back."""
     saved = expert_lora.grouped_lora_forward
     expert_lora.grouped_lora_forward = forward
     return saved

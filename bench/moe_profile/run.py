@@ -1,6 +1,6 @@
 """Where a MoE training step spends its GPU time: Qwen3-30B-A3B shapes, attention + every expert adapted (r 16),
 2 x 2048 random tokens, gradient checkpointing, Liger's kernels and fused loss, the grouped expert LoRA
-(stages.expert_lora), on the bf16 base and on the NF4 base QLoRA stores (bench/moe_qlora's quantize_in_place).
+(stages.model.experts.lora), on the bf16 base and on the NF4 base QLoRA stores (bench/moe_qlora's quantize_in_place).
 
 Per variant: tokens/s over timed steps, then torch.profiler over two steps: the kernels by GPU time, grouped
 into kinds (expert matmuls, dequantization, attention, routing and index ops, ...), and the GPU's busy share
@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import importlib.util  # noqa: E402
 
-from stages import expert_lora  # noqa: E402
+from stages.model.experts import lora as expert_lora  # noqa: E402
 
 
 def _load(name: str):
@@ -113,7 +113,7 @@ def summary(p, wall_s: float, steps: int) -> dict:
 
 
 def _bincount_offsets(groups, experts: int):
-    # the offsets as stages.expert_lora computed them before: torch.bincount, which syncs with the host on CUDA
+    # the offsets as stages.model.experts.lora computed them before: torch.bincount, which syncs with the host on CUDA
     return torch.bincount(groups, minlength=experts).cumsum(0).to(torch.int32)
 
 

@@ -1,16 +1,16 @@
-"""QLoRA on a MoE with the routed experts in NF4 (stages.expert_nf4), against 16-bit LoRA, one H200, one process.
+"""QLoRA on a MoE with the routed experts in NF4 (stages.model.experts.nf4), against 16-bit LoRA, one H200, one process.
 
 One model at a released model's shapes (random init, bf16, on the GPU) is timed three ways on the same 2 x 2048
 random-token steps, attention + every routed expert adapted (r 16, alpha 32, no dropout), gradient checkpointing,
 Liger's fused linear cross-entropy (the train stage's default on a GPU) in all three:
   peft      bf16 base, plain peft 0.21 target_parameters (its ParamWrapper forms W + B@A per expert), torch AdamW
-  grouped   bf16 base, the train stage's grouped expert LoRA (stages.expert_lora), torch AdamW
+  grouped   bf16 base, the train stage's grouped expert LoRA (stages.model.experts.lora), torch AdamW
   qlora     the same base quantized in place to NF4 (nn.Linear -> bitsandbytes Linear4bit, every expert stack -> NF4
-            as stages.expert_nf4 stores it at load), grouped expert LoRA over the NF4 stacks, and the optimizer the
+            as stages.model.experts.nf4 stores it at load), grouped expert LoRA over the NF4 stacks, and the optimizer the
             train stage picks for QLoRA on a GPU (8-bit paged AdamW; its states live outside torch's allocator and
             are reported apart); qlora_adamw: the same with torch AdamW
 Peak reserved is measured from a fresh peak and an emptied cache per variant. A second part loads a small MoE
-checkpoint written to disk through stages.modelio.load_base (QLoRA), to measure the load's own peak.
+checkpoint written to disk through stages.model.load.load_base (QLoRA), to measure the load's own peak.
 
     python bench/moe_qlora/run.py --out $OUT/moe_qlora.json [--shapes qwen3-30b-a3b]
 """
@@ -27,7 +27,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from stages import architecture, expert_lora, expert_nf4, moe  # noqa: E402
+from stages.model import architecture  # noqa: E402
+from stages.model.experts import lora as expert_lora  # noqa: E402
+from stages.model.experts import nf4 as expert_nf4  # noqa: E402
+from stages.model.experts import structure  # noqa: E402
 
 
 def _moe_speed():
@@ -47,7 +50,7 @@ GIB = 2**30
 
 
 def quantize_in_place(model, device: str = "cuda", compute_dtype=torch.bfloat16) -> None:
-    """What stages.modelio.load_base makes of a checkpoint under QLoRA, made from a model already on `device`:
+    """What stages.model.load.load_base makes of a checkpoint under QLoRA, made from a model already on `device`:
     every nn.Linear but lm_head a Linear4bit (NF4, double quant, `compute_dtype` compute), every fused expert stack NF4."""
     import bitsandbytes as bnb
 
@@ -62,7 +65,7 @@ def quantize_in_place(model, device: str = "cuda", compute_dtype=torch.bfloat16)
                     new.bias = child.bias
                 setattr(module, child_name, new)
                 del child
-    for s in moe.fused_experts(model).stacks:
+    for s in structure.fused_experts(model).stacks:
         module_name, _, leaf = s.name.rpartition(".")
         module = model.get_submodule(module_name)
         p = getattr(module, leaf)
@@ -95,7 +98,7 @@ def adapt(model, r: int):
     model.train()
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.enable_input_require_grads()
-    with moe.peft_targets_as_given():
+    with structure.peft_targets_as_given():
         model = get_peft_model(model, LoraConfig(r=r, lora_alpha=2 * r, lora_dropout=0.0, task_type="CAUSAL_LM",
                                                  target_modules=targets.modules, target_parameters=targets.parameters))
     return model, targets
@@ -177,12 +180,12 @@ def run_shape(name: str, shape: dict, args, batches) -> dict:
 
 
 def load_peak(args) -> dict:
-    """A small MoE checkpoint on disk, loaded QLoRA through stages.modelio.load_base: the load's peak against the
+    """A small MoE checkpoint on disk, loaded QLoRA through stages.model.load.load_base: the load's peak against the
     NF4 model it leaves, and against the same checkpoint's 16-bit size."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from stages.config import ModelSection, QuantizationSection
-    from stages.modelio import load_base
+    from stages.model.load import load_base
 
     spec = dict(SHAPES["qwen3-30b-a3b"], num_hidden_layers=args.load_layers)
     config = AutoConfig.for_model(spec.pop("model_type"), **spec)
@@ -202,7 +205,7 @@ def load_peak(args) -> dict:
            "load_peak_reserved_gib": round(torch.cuda.max_memory_reserved() / GIB, 3),
            "loaded_allocated_gib": round(torch.cuda.memory_allocated() / GIB, 3),
            "nf4_stacks": sum(map(len, expert_nf4.stacks(model).values())),
-           "stacks": len(moe.fused_experts(model).stacks)}
+           "stacks": len(structure.fused_experts(model).stacks)}
     del model
     gc.collect()
     torch.cuda.empty_cache()

@@ -1,6 +1,6 @@
 """Attention + routed-experts LoRA on MoE shapes, one H200, one process: plain peft 0.21 target_parameters
 (its ParamWrapper forms W + B@A for every expert on each forward) against the train stage's grouped LoRA
-(stages.expert_lora: the adapter applied to the tokens routed to each expert, three grouped matmuls).
+(stages.model.experts.lora: the adapter applied to the tokens routed to each expert, three grouped matmuls).
 
 Same model (random init from the family's published shapes, bf16, on the GPU), same adapter tensors (r 16,
 alpha 32, no dropout: peft has none on experts), same 2 x 2048 random tokens per step, gradient
@@ -23,8 +23,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from stages import architecture, moe  # noqa: E402
-from stages import expert_lora as experts  # noqa: E402
+from stages.model import architecture  # noqa: E402
+from stages.model.experts import lora as experts  # noqa: E402
+from stages.model.experts import structure  # noqa: E402
 
 # config.json shapes of the released models (num_hidden_layers etc. as published)
 SHAPES = {
@@ -54,7 +55,7 @@ def build(shape: dict):
 def active_params(model, shape: dict) -> int:
     """Parameters one token meets: everything but the experts it is not routed to and the input table."""
     total = sum(p.numel() for p in model.parameters())
-    stacks = moe.fused_experts(model).stacks
+    stacks = structure.fused_experts(model).stacks
     expert = sum(s.numel for s in stacks)
     e, k = stacks[0].experts, shape["num_experts_per_tok"]
     return total - expert + expert * k // e - shape["vocab_size"] * shape["hidden_size"]
@@ -122,7 +123,7 @@ def run_shape(name: str, shape: dict, args) -> dict:
     model.train()
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.enable_input_require_grads()
-    with moe.peft_targets_as_given():
+    with structure.peft_targets_as_given():
         model = get_peft_model(model, LoraConfig(r=args.r, lora_alpha=2 * args.r, lora_dropout=0.0, task_type="CAUSAL_LM",
                                                  target_modules=targets.modules, target_parameters=targets.parameters))
     params = [p for p in model.parameters() if p.requires_grad]

@@ -7,7 +7,7 @@ it with the stage's own Trainer (stages.train.hf_trainer.make_trainer) over the 
 (stages.train.batches.dataset); `peft` is plain peft 0.21 target_parameters on the bf16 base, HF Trainer, dynamic
 padding, torch AdamW, gradient checkpointing, no Liger (the issue's baseline). Only the base's load differs from a
 real run: the model is built at a released model's shapes (random init, on the GPU) and, under QLoRA, quantized in
-place the way stages.modelio.load_base stores it (bench/moe_qlora's quantize_in_place), because a 57 GiB checkpoint
+place the way stages.model.load.load_base stores it (bench/moe_qlora's quantize_in_place), because a 57 GiB checkpoint
 does not fit the device's disk.
 
 Same settings in both: micro-batch 2, data.max_length 2048, a step of `--samples` samples (padded: micro-batch x
@@ -159,7 +159,7 @@ def measured(trainer, counter: Counter, clock, samples: int, steps: int) -> dict
 
 
 def base_builder(shape: dict):
-    """stages.modelio.load_base's stand-in: the shapes built on the device from their config (random init, seeded),
+    """stages.model.load.load_base's stand-in: the shapes built on the device from their config (random init, seeded),
     under QLoRA quantized in place as load_base stores them (linear layers and expert stacks NF4)."""
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.utils.quantization_config import QuantizationMethod
@@ -169,9 +169,9 @@ def base_builder(shape: dict):
         return AutoConfig.for_model(spec.pop("model_type"), **spec)
 
     def attention(requested: str) -> str:   # what load_base passes: `auto` resolved for the family and device
-        from stages import architecture, modelio
+        from stages.model import architecture, load
 
-        return modelio.attention_for(requested, architecture.from_config_text(config().to_json_string()))
+        return load.attention_for(requested, architecture.from_config_text(config().to_json_string()))
 
     def load_base(model, quant, *, quantized=None, sharded=False):
         torch.manual_seed(0)
@@ -339,7 +339,7 @@ def streams(p, gap_ns: int = 5_000, after_ns: int = 30_000) -> dict:
 
 
 def _before():
-    """stages/expert_lora.py as it was before a change, saved beside this script (`before` variant: an A/B in one
+    """stages/model/experts/lora.py as it was before a change, saved beside this script (`before` variant: an A/B in one
     process; not committed)."""
     spec = importlib.util.spec_from_file_location("before_expert_lora", Path(__file__).with_name("_before_expert_lora.py"))
     module = importlib.util.module_from_spec(spec)
@@ -348,7 +348,7 @@ def _before():
 
 
 def run_stage(args, shape: dict, work: Path) -> dict:
-    from stages import expert_lora
+    from stages.model.experts import lora as expert_lora
     from stages.train import batches, kernels, widen
     from stages.train import model as train_model
     from stages.train.hf_trainer import make_trainer
@@ -490,7 +490,7 @@ def main() -> None:
                     "budget (training.max_tokens_per_batch), in one process; runs are named <data>-timed@<budget>")
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="stage: a config override")
     ap.add_argument("--variants", nargs="+", default=["stage"], choices=["stage", "before"],
-                    help="stage: the product's grouped expert LoRA and/or `before`, stages/expert_lora.py as it was before "
+                    help="stage: the product's grouped expert LoRA and/or `before`, stages/model/experts/lora.py as it was before "
                     "a change (saved beside this script as _before_expert_lora.py, not committed), each timed in this "
                     "process; before runs are named <run>-before")
     ap.add_argument("--stacks", action="store_true", help="stage: the profiled step also says where the host syncs "

@@ -44,9 +44,8 @@ def run_row(row: str, model_dir: Path) -> dict:
     import torch
 
     from bench.packing_speed.packing_r7 import samples, stage
-    from stages import memory_model
     from stages.memory import GIB
-    from stages.train import sharding
+    from stages.train import memory_model, sharding
 
     if torch.distributed.is_available() and "LOCAL_RANK" in os.environ:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
@@ -72,7 +71,7 @@ def reestimate(results: Path, out: Path) -> None:
     """The run's measured peaks against the estimate as memory_model computes it now (CPU only)."""
     from bench.gpu_figure.preflight_grid import SHAPES
     from bench.packing_speed.packing_r7 import samples
-    from stages import memory_model
+    from stages.train import memory_model
 
     d = json.loads(results.read_text())
     shapes = memory_model.Shapes.from_config(dict(SHAPES["qwen2-7b"]))

@@ -10,7 +10,7 @@ TOOL is one of
   unsloth     Unsloth's FastLanguageModel (its 4-bit load, its LoRA patches, use_gradient_checkpointing="unsloth"),
               trained by TRL's SFTTrainer as Unsloth patches it (padding-free batches where it decides so, which on
               a Hopper GPU it always does), optim adamw_8bit: what its notebooks run.
-  stage       the train stage at the product's defaults: stages.modelio.load_base from the checkpoint on disk,
+  stage       the train stage at the product's defaults: stages.model.load.load_base from the checkpoint on disk,
               stages.train.model.build_model, the stage's micro-batch plan, fit and Trainer (the widening and
               fit: auto as its run() decides them on this card); `--set section.key=value` changes one setting.
   peft-liger  peft 0.21 + Liger Kernel 0.8.5 (the family's class patch: fused linear cross-entropy, RMSNorm, SwiGLU,

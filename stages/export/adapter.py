@@ -115,7 +115,7 @@ def prove(cfg, adapter_dir: Path, merged_gguf: Path, work_dir: Path, meter) -> P
 
 def _prove(cfg, adapter_dir: Path, merged_gguf: Path, work_dir: Path, base: Path, meter) -> Proof:
     from stages.checksums import sha256_file
-    from stages.modeldir import resolve_model_dir
+    from stages.model.directory import resolve_model_dir
 
     seconds: dict[str, float] = {}
     clock = time.perf_counter()
@@ -126,7 +126,7 @@ def _prove(cfg, adapter_dir: Path, merged_gguf: Path, work_dir: Path, base: Path
         seconds[name] = round(now - clock, 2)
         clock = now
 
-    from stages.modelio import load_tokenizer
+    from stages.model.load import load_tokenizer
 
     converter = llamacpp.converter_dir()
     base_dir = resolve_model_dir(cfg.model.name_or_path)
@@ -231,7 +231,7 @@ def measure(cfg, merged_gguf: Path, base: Path, adapter_gguf: Path) -> dict:
 
     from stages.export import fidelity
     from stages.export.llamacpp_process import LlamaProcess
-    from stages.modelio import load_tokenizer
+    from stages.model.load import load_tokenizer
 
     sequences = fidelity.held_out_ids(cfg, load_tokenizer(cfg.model), cfg.export.fidelity.samples)
     n_ctx = max(len(s) for s in sequences)

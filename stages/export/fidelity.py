@@ -63,7 +63,7 @@ def load_merged(merged_dir: Path):
     """The merged HF model as the export measures it: its compute dtype, on this process's device."""
     from transformers import AutoModelForCausalLM
 
-    from stages.modelio import attention_of_dir, compute_dtype, device
+    from stages.model.load import attention_of_dir, compute_dtype, device
 
     return AutoModelForCausalLM.from_pretrained(merged_dir, dtype=compute_dtype("auto"), device_map={"": str(device())},
                                                 use_safetensors=True, attn_implementation=attention_of_dir(merged_dir))

@@ -29,8 +29,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from stages import data, moe
+from stages import data
 from stages.errors import UserError
+from stages.model.experts import structure
 
 CHUNK = 512  # tokens per calibration chunk, as llama-imatrix's default context
 BATCH_TOKENS = 4096  # padded tokens per forward pass of the calibration
@@ -165,7 +166,7 @@ def widths_before_conversion(model_dir: Path, vocab_info: dict) -> dict[str, int
     (gguf-py's TensorNameMap for the architecture the converter chose, read off its vocabulary-only GGUF)."""
     import gguf
 
-    from stages.modelcheck import read_header
+    from stages.model.check import read_header
 
     arch_name = vocab_info["fields"].get("general.architecture")
     arch = next((a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch_name), None)
@@ -236,7 +237,7 @@ def compute(model, sequences: list[list[int]], names: dict[str, str], dataset: s
 
     def expert_hook(ups: list[str], downs: list[str]):
         def collect(module, args, kwargs):
-            from stages import expert_lora
+            from stages.model.experts import lora as expert_lora
 
             hidden = args[0] if args else kwargs["hidden_states"]
             index = args[1] if len(args) > 1 else kwargs["top_k_index"]
@@ -311,16 +312,16 @@ def gguf_names(model, base_info: dict) -> tuple[dict[str, str], list[str]]:
 
 
 def expert_gguf_names(model, base_info: dict) -> dict[str, tuple[list[str], list[str]]]:
-    """Each experts module of the HF model (transformers' fused stacks, stages.moe) -> the GGUF expert tensors its up
+    """Each experts module of the HF model (transformers' fused stacks, stages.model.experts.structure) -> the GGUF expert tensors its up
     projection's inputs feed (`blk.N.ffn_gate_exps`, `ffn_up_exps`, or the fused `ffn_gate_up_exps`) and those its
     down projection's feed (`blk.N.ffn_down_exps`), N the decoder layer it is in; tensors of another input width are
     left out."""
     shapes = base_info.get("tensor_shapes", {})
-    stacks = {s.name: s for s in moe.fused_experts(model).stacks}
+    stacks = {s.name: s for s in structure.fused_experts(model).stacks}
     out = {}
     for name, module in model.named_modules():
         layer = re.search(r"\.(\d+)\.", f".{name}.")
-        if layer is None or not moe.computable(module):
+        if layer is None or not structure.computable(module):
             continue
         up = stacks.get(f"{name}.{'gate_up_proj' if module.has_gate else 'up_proj'}")
         down = stacks.get(f"{name}.down_proj")

@@ -37,8 +37,8 @@ from stages.errors import MissingInput
 from stages.export import convert, fidelity, imatrix, llamacpp, naming, quant_types, vocab
 from stages.export.llamacpp_process import LlamaProcess
 from stages.memory import MemoryReport
-from stages.modeldir import resolve_model_dir
-from stages.modelio import load_tokenizer
+from stages.model.directory import resolve_model_dir
+from stages.model.load import load_tokenizer
 
 IMATRIX_FILE = "imatrix.gguf"
 NAMES_FILE = "gguf-names.json"  # the converter's --metadata override (stages/export/naming.py), kept with the run

@@ -1,6 +1,7 @@
 """The train stage (stage.py) and its pieces: the model (model.py), micro-batches (batches.py, packing.py),
 attention and kernels, offloads, the Trainer (hf_trainer.py), what a CUDA OOM leads to (oom.py), eval loss,
-tracking, plots, the fit choice (autofit.py), the multi-process launcher (launch.py) and FSDP (sharding.py).
+tracking, plots, the fit choice (autofit.py), the multi-process launcher (launch.py), FSDP (sharding.py) and the
+analytic memory model (memory_model.py: the estimate the preflight and the plan for the card read).
 
     from stages import train
     result = train.run(cfg, out_dir)        # python -m stages.train --config ...

@@ -8,7 +8,7 @@ import functools
 
 import torch
 
-from stages.modelio import compute_dtype, device
+from stages.model.load import compute_dtype, device
 
 
 def attention_kernel(model) -> str:

@@ -17,7 +17,7 @@ import torch
 
 from stages.config import RunConfig
 from stages.memory import GIB
-from stages.modelio import compute_dtype, device
+from stages.model.load import compute_dtype, device
 
 PROBE_LAYERS = 2
 MAX_PROBES = 6  # one forward + backward each

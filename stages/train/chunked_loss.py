@@ -4,7 +4,7 @@ The stock loss computes every position's logits and upcasts them to fp32: 1.6 GB
 vocabulary, 6.6 GB at 201k (GPT-OSS), and autograd keeps them (and their softmax) for backward. Here the loss-carrying
 rows go through the output layer a chunk at a time: each chunk's logits, loss and gradient are computed in the
 forward and only the gradient with respect to the hidden states ([rows, hidden], 16-bit) is kept; the chunk's logits
-are freed before the next. Chunks are half Liger's size (`chunk_rows`), so what stages/memory_model.py counts for
+are freed before the next. Chunks are half Liger's size (`chunk_rows`), so what stages/train/memory_model.py counts for
 Liger's loss holds for this one.
 
 It is installed on the model's own forward: the output layer returns its input and the model's `loss_function`
@@ -76,7 +76,7 @@ def unsupported(model_class: type, config=None, head: str = "lm_head") -> str | 
 def chunk_rows(rows: int, vocab: int, hidden: int) -> int:
     """Half Liger's chunk (the rows whose logits are about as many elements as the hidden states of all rows): a chunk
     here holds its logits in 16 bits, then 32, then its gradient in 16 (6 bytes a logit against the 4 that
-    stages/memory_model.py counts per logit of Liger's chunk), and at least MIN_CHUNK_LOGITS logits."""
+    stages/train/memory_model.py counts per logit of Liger's chunk), and at least MIN_CHUNK_LOGITS logits."""
     liger = 1 << max(0, math.ceil(math.log2(max(1, math.ceil(rows / math.ceil(vocab / hidden))))))
     # never under MIN_CHUNK_LOGITS logits: a small hidden size over a big vocabulary (the tests' tiny models on real
     # tokenizers) would otherwise loop a row at a time

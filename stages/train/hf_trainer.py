@@ -22,7 +22,7 @@ from transformers import EarlyStoppingCallback, Trainer, TrainerCallback, Traini
 
 from stages import errors, memory
 from stages.config import RunConfig
-from stages.modelio import compute_dtype, device
+from stages.model.load import compute_dtype, device
 from stages.train import eval_loss, kernels, optim_state, sharding
 from stages.train.offload import OffloadActivations
 from stages.train.packing import PackedRows, PackedSteps

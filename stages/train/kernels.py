@@ -18,7 +18,7 @@ import textwrap
 from dataclasses import dataclass
 
 from stages.config import ConfigError, RunConfig
-from stages.modelio import device
+from stages.model.load import device
 from stages.train import batches
 from stages.train.batches import TILE_FROM_TOKENS
 
@@ -77,7 +77,7 @@ def resolve_auto(cfg: RunConfig, *, on_gpu: bool, liger: bool = True, bnb: bool 
 
 def _architecture(cfg: RunConfig):
     """The base model's Architecture from its config.json, None where it cannot be read."""
-    from stages import architecture
+    from stages.model import architecture
 
     try:
         return architecture.of_model(cfg.model)
@@ -86,7 +86,7 @@ def _architecture(cfg: RunConfig):
 
 
 def _attention(cfg: RunConfig):
-    from stages import architecture
+    from stages.model import architecture
 
     arch = _architecture(cfg)
     return arch.attention if arch else architecture.Attention()
@@ -228,7 +228,7 @@ def own_loss_refusal(cfg: RunConfig) -> str | None:
     if arch.output_layer and targets != "all-linear" and arch.output_layer in targets:
         return f"lora.target_modules adapts the output layer ({arch.output_layer})"
     try:
-        from stages.modeldir import resolve_model_dir
+        from stages.model.directory import resolve_model_dir
 
         config = transformers.AutoConfig.from_pretrained(resolve_model_dir(cfg.model.name_or_path))
     except Exception:  # noqa: BLE001 - without it a block under `if self.config.<key> is not None:` is refused
@@ -238,7 +238,7 @@ def own_loss_refusal(cfg: RunConfig) -> str | None:
 
 def model_type(cfg: RunConfig) -> str | None:
     """config.json's model_type of the base model, None where it cannot be read (the model checks say why)."""
-    from stages.modeldir import resolve_model_dir
+    from stages.model.directory import resolve_model_dir
 
     try:
         return json.loads((resolve_model_dir(cfg.model.name_or_path) / "config.json").read_text(encoding="utf-8")).get("model_type")
@@ -300,7 +300,7 @@ def use_liger(model, *, loss: bool, kernels: bool, forced: bool = True) -> None:
         )
     # Liger also swaps the family's experts class in its transformers module (LigerExperts, a fused MoE forward over
     # 16-bit stacks): a model built later in this process (an OOM rebuild, merge) would lose the grouped expert
-    # LoRA and the NF4 stacks (stages.expert_lora). This instance keeps Liger's forward; the module keeps its class.
+    # LoRA and the NF4 stacks (stages.model.experts.lora). This instance keeps Liger's forward; the module keeps its class.
     modeling = sys.modules.get(type(model).__module__)
     experts_classes = {k: v for k, v in vars(modeling).items() if k.endswith("Experts")} if modeling else {}
     apply(model=model, **liger_options(apply, loss=loss, kernels=kernels))

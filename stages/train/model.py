@@ -4,9 +4,11 @@ preflight's probe build it here, the same way."""
 
 from __future__ import annotations
 
-from stages import architecture, expert_lora, moe
 from stages.config import RunConfig
-from stages.modelio import device, load_base
+from stages.model import architecture
+from stages.model.experts import lora as expert_lora
+from stages.model.experts import structure
+from stages.model.load import device, load_base
 from stages.train import chunked_loss, fused_lora, kernels, sharding
 from stages.train.attention import avoid_cudnn_sdpa, use_packed_attention
 from stages.train.offload import embeddings_to_host
@@ -56,7 +58,7 @@ def build_model(cfg: RunConfig, longest: int | None = None, settings: kernels.Se
     # The adapter's random init draws from the global RNG: seed it here, not only in the
     # Trainer (created later), or two runs of one config start from different adapters.
     set_seed(cfg.training.seed)
-    with moe.peft_targets_as_given():
+    with structure.peft_targets_as_given():
         model = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", **lora))
     if targets.stacks and expert_lora.use_grouped_lora(model):
         print("train: LoRA on the routed experts computed on the tokens routed to each expert (grouped matmuls)")

@@ -8,7 +8,7 @@ holds what the stage adds around it:
 - the Trainer's FSDP settings (`trainer_args`), with the stage's own checkpointing (the
   Trainer's is off: stages/train/model.py sets it up in the order that works);
 - the base loaded into host memory, never whole onto a GPU: each process then moves only
-  its shard, so a model larger than one GPU loads (modelio.load_base(sharded=True)); QLoRA keeps its NF4
+  its shard, so a model larger than one GPU loads (stages.model.load.load_base(sharded=True)); QLoRA keeps its NF4
   weights in the compute dtype (`bnb_4bit_quant_storage`), which FSDP can flatten;
 - the same FSDP path on CPU (gloo): accelerate 1.15 turns FSDP on only for GPU-like
   backends and would silently run a multi-CPU job as DDP (`enable_on_cpu`), so the CPU
@@ -23,8 +23,8 @@ import os
 
 import torch
 
-from stages.architecture import decoder_layers
 from stages.config import RunConfig
+from stages.model.architecture import decoder_layers
 
 
 def active(cfg: RunConfig) -> bool:

@@ -46,7 +46,7 @@ from stages import data, inputs, memory, result_files
 from stages.artifact import Artifact
 from stages.config import RunConfig
 from stages.memory import MemoryReport
-from stages.modelio import device, load_tokenizer
+from stages.model.load import device, load_tokenizer
 from stages.train import autofit, batches, eval_loss, kernels, launch, sharding, widen
 from stages.train.attention import attention_kernel
 from stages.train.hf_trainer import InjectOOM, MemorySnapshot, StageTrainer, last_checkpoint, make_trainer, release, step_of

@@ -6,7 +6,7 @@ kernels (about 22,000 per micro-batch at 48 MoE layers; docs/benchmarks.md: moe_
 16 x 2048 tokens trained 2.1x faster in two 16,384-token micro-batches than in eight of 4,096 (moe_stage_speed).
 So where training.max_tokens_per_batch is left null, the preflight and the train stage both widen the default budget
 (batches.token_budget) to the widest of: a step's samples laid end to end, the cap the dense 7B measured fastest
-(batches.PACKED_BUDGET_DEFAULT_MAX), halvings of it; the first whose analytic estimate (stages/memory_model.py, never
+(batches.PACKED_BUDGET_DEFAULT_MAX), halvings of it; the first whose analytic estimate (stages/train/memory_model.py, never
 under what a run needs on the capped grids) fits the usable memory. Both compute it from the same config, data and card,
 so the probe measures the very micro-batches training runs: the GPU figure is the figure of the chosen width.
 """
@@ -14,9 +14,9 @@ so the probe measures the very micro-batches training runs: the GPU figure is th
 from __future__ import annotations
 
 from stages.config import RunConfig
-from stages.memory_model import Shapes, estimate
 from stages.train import batches
 from stages.train.kernels import resolve_auto
+from stages.train.memory_model import Shapes, estimate
 
 
 def on_card(cfg: RunConfig, shapes: Shapes, longest: int, usable_gib: float, on_gpu: bool) -> RunConfig:
@@ -106,7 +106,7 @@ def in_training(cfg: RunConfig, longest: int, preflight: dict | None = None) -> 
     never goes wider than that (a flow retried on a bigger card after its preflight was kept), only narrower where this
     card has less room."""
     from stages import memory
-    from stages.modelio import device
+    from stages.model.load import device
 
     here = device()
     if here.type != "cuda":  # nothing to widen: spare the meta build

@@ -10,11 +10,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from stages import architecture
-from stages.architecture import Architecture, Linear, Targets
 from stages.config import ConfigError, RunConfig
 from stages.memory import GIB
-from stages.modelio import compute_dtype
+from stages.model import architecture
+from stages.model.architecture import Architecture, Linear, Targets
+from stages.model.load import compute_dtype
 from stages.train.kernels import OPTIM_BYTES, cross_entropy, resolve_auto
 
 KNOWN_MODEL_TYPES = {"llama", "qwen2", "mistral", "qwen3", "phi3", "olmo2"}  # measured (docs/benchmarks.md: gpu_figure)
@@ -70,7 +70,7 @@ class Shapes:
         """The run's base model, read from its config.json (a local directory or the HF cache), no weights."""
         import json
 
-        from stages.modeldir import resolve_model_dir
+        from stages.model.directory import resolve_model_dir
 
         model_dir = resolve_model_dir(cfg.model.name_or_path)
         return cls.from_config(json.loads((model_dir / "config.json").read_text()), cfg.model.trust_remote_code, str(model_dir))
@@ -128,7 +128,7 @@ class Shapes:
         return {m: Linear(m, (io,) * self.layers * (self.experts if m in mlp else 1)) for m, io in per_layer.items()}
 
     def stacks(self) -> list:
-        """The routed experts' fused stacks (stages.moe.ExpertStack) of the model built on the meta device."""
+        """The routed experts' fused stacks (stages.model.experts.structure.ExpertStack) of the model built on the meta device."""
         return self.arch.experts.stacks if self.arch is not None else []
 
     def targets(self, requested: list[str] | str) -> Targets:
@@ -244,7 +244,7 @@ class _Step:
         return self.cfg.quantization.load_in_4bit
 
     @property
-    def nf4_experts(self) -> bool:  # QLoRA stores the routed experts in NF4 too (stages.expert_nf4), except sharded: FSDP keeps them 16-bit
+    def nf4_experts(self) -> bool:  # QLoRA stores the routed experts in NF4 too (stages.model.experts.nf4), except sharded: FSDP keeps them 16-bit
         return self.nf4 and not self.fsdp
 
     @property
@@ -306,7 +306,7 @@ def _dropout(step: _Step) -> float:
 
 def _routed(step: _Step) -> float:
     # A MoE layer's routed tensors are [S, .] for S = tokens x top-k slots, whichever experts the router picks: a
-    # trained router's imbalance moves rows between experts, not the total (the grouped path, stages.expert_lora)
+    # trained router's imbalance moves rows between experts, not the total (the grouped path, stages.model.experts.lora)
     s, k, stacks = step.s, step.k, step.s.stacks()
     expert_i = max((stack.in_features for stack in stacks if stack.leaf == "down_proj"), default=0)
     return step.tokens * s.top_k * step.act * (k["routed_i"] * expert_i + k["routed_h"] * s.hidden) if stacks else 0.0

@@ -2,17 +2,17 @@
 
 transformers' bitsandbytes loader quantizes nn.Linear modules only, so without this a QLoRA MoE keeps its routed
 experts -- most of its weights -- in 16 bits (Qwen3-30B-A3B: 57 of 59 GiB). Within `quantized_at_load()` the
-loader treats each fused stack (stages.moe.ExpertStack) like a Linear4bit weight: the meta parameter becomes a
+loader treats each fused stack (stages.model.experts.structure.ExpertStack) like a Linear4bit weight: the meta parameter becomes a
 bitsandbytes Params4bit with the run's quant type and double quantization, and the loader quantizes it on its
 device as soon as its per-expert checkpoint tensors are fused, one stack at a time, so no 16-bit copy of all
 the experts is ever resident. A stack is always dequantized whole, so a block of 64 may span two experts.
 
 A quantized stack keeps its 3-D shape in `quant_state.shape` and, for peft's ParamWrapper (which reads
 `ds_shape` before `shape`, for DeepSpeed's partitioned parameters), in `ds_shape` (`show_shapes`).
-stages.expert_lora.use_nf4_stacks points each experts module holding one at the grouped path, which dequantizes a
+stages.model.experts.lora.use_nf4_stacks points each experts module holding one at the grouped path, which dequantizes a
 stack for its grouped matmul and again in backward (nothing 16-bit is kept between them: the memory of one stack,
 transient). peft's own ParamWrapper forward cannot run on it (it would add the delta to packed bytes):
-stages.expert_lora routes every adapted experts module through the grouped path, adapters disabled included.
+stages.model.experts.lora routes every adapted experts module through the grouped path, adapters disabled included.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import contextlib
 import torch
 from torch import nn
 
-from stages import moe
+from stages.model.experts import structure
 
 BLOCKSIZE = 64   # bitsandbytes' Linear4bit default: the stacks quantize like the model's linear layers
 
@@ -40,7 +40,7 @@ def dequantize(param: torch.Tensor) -> torch.Tensor:
 @contextlib.contextmanager
 def quantized_at_load():
     """Within, transformers' bitsandbytes 4-bit loader quantizes the fused expert stacks of the experts modules
-    stages.expert_lora can compute, besides the linear layers."""
+    stages.model.experts.lora can compute, besides the linear layers."""
     import bitsandbytes as bnb
     from transformers.quantizers.quantizer_bnb_4bit import Bnb4BitHfQuantizer as Quantizer
 
@@ -49,10 +49,10 @@ def quantized_at_load():
     def _before(self, model, device_map, **kwargs):
         before(self, model, device_map, **kwargs)
         c = self.quantization_config
-        for stack in moe.fused_experts(model).stacks:
+        for stack in structure.fused_experts(model).stacks:
             module_name, _, leaf = stack.name.rpartition(".")
             module = model.get_submodule(module_name)
-            if not moe.computable(module):
+            if not structure.computable(module):
                 continue  # a forward of the family's own reads the stack
             old = getattr(module, leaf)
             module.source_cls = type(module)   # what the loader's quantize step asks of a Linear4bit (GPT-2's Conv1D is transposed)

@@ -214,7 +214,7 @@ def _architecture(config: dict, tensors: dict[str, dict], model_dir: Path, trust
     """The tensors the architecture config.json names expects (built on the meta device) against those the
     safetensors headers hold: a model_type of another family loads with tensors missing (initialised at random,
     with only a warning) or ignored, and the run trains on a broken model, or dies in a library traceback."""
-    from stages import architecture
+    from stages.model import architecture
 
     arch = architecture.from_config(config, trust_remote_code, str(model_dir))
     if arch is None or not arch.parameters:  # not buildable here: the size checks above are all there is
@@ -322,7 +322,7 @@ def _family_that_fits(config: dict, tensors: dict[str, dict], model_type: str) -
     """(model_type, architecture class) of a common family whose architecture expects exactly these tensors."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    from stages import architecture
+    from stages.model import architecture
 
     quantized = bool(config.get("quantization_config"))
     for family in FAMILIES:

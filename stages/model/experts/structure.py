@@ -102,7 +102,7 @@ class MoeParts:
 
 def _stack(name: str, module: nn.Module, param: torch.Tensor) -> ExpertStack | None:
     # Conv1d weights (Mamba, gated-delta-net mixers) are 3-D too; they are torch's own modules, experts never are
-    state = getattr(param, "quant_state", None)   # an NF4 stack (stages.expert_nf4) packs its 3-D shape away
+    state = getattr(param, "quant_state", None)   # an NF4 stack (stages.model.experts.nf4) packs its 3-D shape away
     shape = torch.Size(state.shape) if state is not None else param.shape
     if len(shape) != 3 or type(module).__module__.startswith("torch."):
         return None
@@ -172,7 +172,7 @@ def peft_targets_as_given():
     """peft 0.21 rewrites a LoRA config for the MoE families whose checkpoints transformers 5 fuses (Qwen3-MoE,
     OLMoE, Mixtral, DeepSeek, ...), to load adapters trained on transformers 4: gate_proj/up_proj become the
     experts' gate_up_proj at rank 2r, `gate` the router, and the shared experts' and dense layers' MLPs of those
-    names lose their adapters. The targets resolved in stages.architecture already name the fused experts and
+    names lose their adapters. The targets resolved in stages.model.architecture already name the fused experts and
     the linear modules apart: peft takes them as given here, when it builds the adapter and when it loads it."""
     from peft.utils import transformers_weight_conversion as conversion
 

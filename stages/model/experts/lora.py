@@ -1,4 +1,4 @@
-"""LoRA on fused MoE experts computed on the routed tokens only (see stages/moe.py for where the experts are).
+"""LoRA on fused MoE experts computed on the routed tokens only (see stages/model/experts/structure.py for where the experts are).
 
 A grouped LoRA over routed tokens (`grouped_lora_forward`) computes, per expert e and only on the tokens
 routed to it, x_e @ W_e^T + scaling * (x_e @ A_e^T) @ B_e^T with three grouped matmuls over the tokens sorted
@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from stages import expert_nf4, moe
+from stages.model.experts import nf4, structure
 
 Factors = tuple[torch.Tensor, torch.Tensor, float]   # A [E, r, in], B [E, out, r], scaling
 
@@ -85,7 +85,7 @@ class _NF4GroupedMM(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, param, offs, transposed: bool):
-        w = expert_nf4.dequantize(param).to(x.dtype)
+        w = nf4.dequantize(param).to(x.dtype)
         ctx.save_for_backward(offs, w if _recomputing() else _placeholder(w))
         ctx.param, ctx.transposed = param, transposed
         return _gmm(x, w if transposed else w.transpose(-2, -1), offs)
@@ -94,7 +94,7 @@ class _NF4GroupedMM(torch.autograd.Function):
     def backward(ctx, grad):
         offs, w = ctx.saved_tensors
         if _is_placeholder(w):
-            w = expert_nf4.dequantize(ctx.param).to(grad.dtype)
+            w = nf4.dequantize(ctx.param).to(grad.dtype)
         return _gmm(grad.contiguous(), w.transpose(-2, -1) if ctx.transposed else w, offs), None, None, None
 
 
@@ -110,7 +110,7 @@ def _project(experts: nn.Module, name: str, x: torch.Tensor, offs: torch.Tensor,
              factors: dict[str, Factors]) -> torch.Tensor:
     """x @ W_e^T (+ LoRA, + bias) per expert group, an NF4 stack dequantized on the fly."""
     w = getattr(experts, name)
-    if expert_nf4.is_nf4(w):
+    if nf4.is_nf4(w):
         y = _NF4GroupedMM.apply(x, w, offs, bool(experts.is_transposed))
     else:
         y = _gmm(x, w if experts.is_transposed else w.transpose(-2, -1), offs)
@@ -190,14 +190,14 @@ def grouped_lora_forward(experts: nn.Module, hidden_states: torch.Tensor, top_k_
 
 
 def grouped_forward(experts: nn.Module, hidden_states, top_k_index, top_k_weights):
-    """An unadapted experts module's forward through the grouped path (its stacks in NF4: stages.expert_nf4)."""
+    """An unadapted experts module's forward through the grouped path (its stacks in NF4: stages.model.experts.nf4)."""
     return grouped_lora_forward(experts, hidden_states, top_k_index, top_k_weights, {})
 
 
 def use_nf4_stacks(model: nn.Module) -> int:
-    """Every experts module holding NF4 stacks (stages.expert_nf4) computes through the grouped path, which
+    """Every experts module holding NF4 stacks (stages.model.experts.nf4) computes through the grouped path, which
     dequantizes them on the fly; transformers' own experts forward would read the packed bytes. Returns how many."""
-    found = expert_nf4.stacks(model)
+    found = nf4.stacks(model)
     for name in found:
         module = model.get_submodule(name)
         module.forward = grouped_forward.__get__(module)
@@ -206,7 +206,7 @@ def use_nf4_stacks(model: nn.Module) -> int:
 
 def _nf4_inside(wrapper: nn.Module) -> bool:
     inner = unwrap(wrapper)[0]
-    return any(expert_nf4.is_nf4(p) for p in inner.parameters(recurse=False))
+    return any(nf4.is_nf4(p) for p in inner.parameters(recurse=False))
 
 
 def _grouped_forward(wrapper: nn.Module, hidden_states, top_k_index, top_k_weights, *args, **kwargs):
@@ -230,11 +230,11 @@ def use_grouped_lora(model: nn.Module, on: bool = True) -> int:
         if isinstance(parent, ParamWrapper):
             continue
         for child in parent.children():
-            if not (isinstance(child, ParamWrapper) and moe.computable(unwrap(child)[0])):
+            if not (isinstance(child, ParamWrapper) and structure.computable(unwrap(child)[0])):
                 continue
             if not on and _nf4_inside(child):
                 raise ValueError("peft's ParamWrapper forward cannot run on NF4 expert stacks: they compute through "
-                                 "stages.expert_lora only")
+                                 "stages.model.experts.lora only")
             if on:
                 child.forward = _grouped_forward.__get__(child)
             else:

@@ -16,8 +16,8 @@ import functools
 import json
 from dataclasses import dataclass, field
 
-from stages import moe
-from stages.moe import ExpertStack, MoeParts
+from stages.model.experts import structure
+from stages.model.experts.structure import ExpertStack, MoeParts
 
 # Fused projections: one module computes what Llama-style models split in several. LoRA on the fused
 # module adapts all of its parts (its lora_B has a block for each).
@@ -130,7 +130,7 @@ class Targets:
 
 def of_model(model) -> Architecture | None:
     """The architecture of the base model a config's `model` section names (config.json only)."""
-    from stages.modeldir import resolve_model_dir
+    from stages.model.directory import resolve_model_dir
 
     path = resolve_model_dir(model.name_or_path) / "config.json"
     return from_config_text(path.read_text(encoding="utf-8"), model.trust_remote_code, str(path.parent))
@@ -199,7 +199,7 @@ def describe(model) -> Architecture:
     layers = getattr(model.config.get_text_config(), "num_hidden_layers", 0) or 0
     return Architecture(type(model).__name__, model.config.model_type, {k: Linear(k, tuple(v)) for k, v in by_leaf.items()},
                         total, layers, qk_norm, tied, out_name.rsplit(".", 1)[-1] if out_name else None, params,
-                        moe.fused_experts(model), _attention(model, params), _declared_experts(model.config.get_text_config()),
+                        structure.fused_experts(model), _attention(model, params), _declared_experts(model.config.get_text_config()),
                         type(out) is nn.Linear)
 
 
@@ -310,8 +310,8 @@ def resolve_targets(requested: list[str] | str, arch: Architecture) -> Targets:
                      f"{arch.model_class}: adapting {fused}" + (f" (its adapter also covers {', '.join(others)})" if others else ""))
     if unknown:
         expert_names = f" and its routed experts' stacks {sorted(by_leaf)} (or `experts` for all)" if by_leaf else ""
-        router = (f"; {', '.join(sorted(set(unknown) & set(moe.ROUTER_NAMES)))} is the router, a weight LoRA does not adapt here"
-                  if set(unknown) & set(moe.ROUTER_NAMES) and by_leaf else "")
+        router = (f"; {', '.join(sorted(set(unknown) & set(structure.ROUTER_NAMES)))} is the router, a weight LoRA does not adapt here"
+                  if set(unknown) & set(structure.ROUTER_NAMES) and by_leaf else "")
         raise ConfigError(
             f"lora.target_modules {unknown} match no linear module of {arch.model_class}; its linear modules are "
             f"{have}{expert_names}{router}: set lora.target_modules to some of them (or to all-linear)")
@@ -321,7 +321,7 @@ def resolve_targets(requested: list[str] | str, arch: Architecture) -> Targets:
 
 def _targets(arch: Architecture, modules: list[str], notes: list[str], stacks: list[ExpertStack]) -> Targets:
     return Targets(modules, notes, [arch.linears[n] for n in modules], stacks,
-                   moe.target_parameters([s.name for s in stacks], list(arch.parameters)), arch.experts)
+                   structure.target_parameters([s.name for s in stacks], list(arch.parameters)), arch.experts)
 
 
 def lora_kwargs(lora, targets: Targets, model_class: str = "this model") -> dict:

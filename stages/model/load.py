@@ -14,9 +14,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from stages import architecture, expert_lora, expert_nf4
 from stages.errors import ConfigError, ModelError
-from stages.modeldir import resolve_model_dir
+from stages.model import architecture
+from stages.model.directory import resolve_model_dir
+from stages.model.experts import lora as expert_lora
+from stages.model.experts import nf4 as expert_nf4
 
 if TYPE_CHECKING:  # annotations only: the config imports this module (to check the model), never the reverse
     from stages.config import ModelSection, QuantizationSection
@@ -80,7 +82,7 @@ def default_chat_template(tok, model_dir: Path) -> str:
     try:
         return tok.get_chat_template()
     except ValueError:  # transformers' "multiple chat templates with no default"
-        from stages.modelcheck import chat_template_file
+        from stages.model.check import chat_template_file
 
         raise ModelError(
             f"the chat template in {chat_template_file(model_dir)} is a list of named templates ({', '.join(tok.chat_template)}), none "
@@ -175,7 +177,7 @@ def load_base(model: ModelSection, quant: QuantizationSection, *, quantized: boo
             bnb_4bit_compute_dtype=cdt,
             **({"bnb_4bit_quant_storage": cdt} if sharded else {}),
         )
-    # QLoRA: the fused MoE expert stacks are quantized as they load, like the linear layers (stages.expert_nf4);
+    # QLoRA: the fused MoE expert stacks are quantized as they load, like the linear layers (stages.model.experts.nf4);
     # sharded, they stay 16-bit: FSDP gathers parameters it can flatten, not packed stacks read by their own forward
     nf4_experts = "quantization_config" in kwargs and not sharded
     with expert_nf4.quantized_at_load() if nf4_experts else contextlib.nullcontext():
