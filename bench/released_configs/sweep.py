@@ -14,7 +14,8 @@ finding), `message`; the copy's changes from the release (`copy.changed`: {key: 
 the release's), its losses, files, times and peak memory.
 
     python bench/released_configs/sweep.py --out bench/released_configs/results.json            # both, every release
-    python bench/released_configs/sweep.py --out F --only gpt-oss-20b --preflight-only        # 1. alone
+    python bench/released_configs/sweep.py --out F --only gpt-oss-20b --preflight-only        # 1. alone; --only
+                                                                                              # replaces its rows in F
     python bench/released_configs/sweep.py --copy gpt-oss-20b --work DIR                      # 2. one copy, here
 """
 
@@ -177,10 +178,12 @@ def main() -> None:
     if a.copy:
         print(json.dumps(copy_through_stages(a.copy, a.work)), flush=True)
         return
-    rows, started = [], time.perf_counter()
+    out = Path(a.out)
+    kept = {r["family"]: r for r in json.loads(out.read_text())["rows"]} if a.only and out.is_file() else {}
     a.logs.mkdir(parents=True, exist_ok=True)
     for name in a.only or configs.RELEASES:
         source, values = configs.RELEASES[name]
+        started = time.perf_counter()
         row = {"family": name, "model_type": values["model_type"], "source": source}
         with tempfile.TemporaryDirectory() as work:
             row |= full_size(name, Path(work))
@@ -190,12 +193,13 @@ def main() -> None:
         else:
             row |= {"stages": ["preflight"] if row["preflight"] == "fits" else [], "result": row["preflight"],
                     "message": row["preflight_message"]}
-        rows.append(row)
+        kept[name] = row | {"wall_s": round(time.perf_counter() - started, 1)}
         print(json.dumps({k: row.get(k) for k in ("family", "preflight", "stages", "result", "message")})[:600], flush=True)
-        Path(a.out).write_text(json.dumps({
+        rows = [kept[n] for n in configs.RELEASES if n in kept]   # --only replaces its rows of an earlier --out
+        out.write_text(json.dumps({
             "note": "full size: header-only checkpoints through the preflight on a CPU (budget 4096 GiB: the verdict is the "
                     "model checks', the estimate the CPU run's); stages: each release's narrow copy (configs.narrow) on a CPU",
-            "minutes": round((time.perf_counter() - started) / 60, 1), "rows": rows}, indent=1))
+            "minutes": round(sum(r.get("wall_s", 0) for r in rows) / 60, 1), "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":
