@@ -73,15 +73,15 @@ def full_size(name: str, work: Path) -> dict:
 def _where(tb) -> str | None:
     """The innermost frame of the project's own code, else the innermost frame."""
     frames = traceback.extract_tb(tb)
-    ours = [f for f in frames if f.filename.startswith(str(ROOT)) and "/.venv/" not in f.filename] or frames[-1:]
-    return f"{Path(ours[-1].filename).relative_to(ROOT) if ours[-1].filename.startswith(str(ROOT)) else ours[-1].filename}:" \
-           f"{ours[-1].lineno} ({ours[-1].name})" if ours else None
+    f = ([f for f in frames if f.filename.startswith(str(ROOT)) and "/.venv/" not in f.filename] or frames or [None])[-1]
+    return f and f"{f.filename.removeprefix(str(ROOT) + '/')}:{f.lineno} ({f.name})"
 
 
 def copy_through_stages(name: str, work: Path) -> dict:
     """The release's narrow copy through every stage, in this process; the record of what it passed."""
     import torch
     from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from stages import merge, preflight, smoke
     from stages.errors import UserError
@@ -90,7 +90,7 @@ def copy_through_stages(name: str, work: Path) -> dict:
     from tests.test_families import _config
 
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-    rec: dict = {"stages": [], "seconds": {}}
+    rec: dict = {"stages": [], "seconds": {}, "threads": torch.get_num_threads()}
     stage, t0 = "build", time.perf_counter()
 
     def passed(stage: str) -> None:
@@ -102,7 +102,6 @@ def copy_through_stages(name: str, work: Path) -> dict:
     try:
         model_dir, asset, changed = configs.model(name, work / "model")
         with torch.device("meta"):
-            from transformers import AutoConfig, AutoModelForCausalLM
             n = sum(p.numel() for p in AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir)).parameters())
         rec["copy"] = {"tokenizer": asset, "params_m": round(n / 1e6, 1), "changed": changed}
         cfg = _config(work, model_dir, asset, quant_types=QUANTS, imatrix="auto")
@@ -137,12 +136,13 @@ def copy_through_stages(name: str, work: Path) -> dict:
         passed(stage)
         stage = "smoke"
         smoked = smoke.run(cfg, exported.gguf_files(), work / "smoke")
-        rec["smoke"] = {f.quant: {"prompts": f.n_prompts, "gen_tok_s": round(f.gen_tokens_per_s, 1)} for f in smoked.files}
+        rec["smoke"] = {f.quant: {"prompts": f.n_prompts, "gen_tok_s": round(f.gen_tokens_per_s, 1), "stopped_at_eos": f.stopped_at_eos,
+                                  "answers": [[e["got"], e["finish_reason"]] for e in f.examples[:3]]} for f in smoked.files}
         passed(stage)
         files = ", ".join(f"{q} ({v['mib']} MiB{', imatrix' if v['imatrix'] else ''})" for q, v in rec["export"]["files"].items())
         rec |= {"result": "passed", "message": f"every stage: {trained.steps} steps, {rec['train']['lora_b_trained']} of "
-                                               f"{len(lora_b)} lora_B tensors trained; {files}; llama.cpp answered "
-                                               f"{smoked.files[0].n_prompts} prompts with each"}
+                                               f"{len(lora_b)} lora_B tensors trained; {files}; llama.cpp ran "
+                                               f"{smoked.files[0].n_prompts} prompts through each"}
     except Exception as e:  # noqa: BLE001 - the sweep records every outcome
         refused = isinstance(e, UserError) and stage in ("build", "preflight")
         rec |= {"result": "refused" if refused else "failed", "stage": stage,
@@ -172,7 +172,7 @@ def main() -> None:
     ap.add_argument("--preflight-only", action="store_true")
     ap.add_argument("--copy", help="one release's narrow copy through every stage in this process (one JSON line)")
     ap.add_argument("--work", type=Path)
-    ap.add_argument("--timeout", type=int, default=1800)
+    ap.add_argument("--timeout", type=int, default=3600)
     ap.add_argument("--logs", type=Path, default=Path(tempfile.gettempdir()) / "released_configs")
     a = ap.parse_args()
     if a.copy:
