@@ -7,8 +7,6 @@ special tokens. Where the files are not what the family's releases ship, the pre
 
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -21,6 +19,7 @@ from stages.export import stage as export_stage
 from stages.export.vocab import TokenizerMismatch
 from stages.train import stage as train_stage
 from tests.conftest import REPO, write_config
+from tests.tiny_models import random_model
 
 SHAPE = dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
              max_position_embeddings=1024, tie_word_embeddings=False)
@@ -51,50 +50,25 @@ FAMILIES = {
                                         topk_group=1, **MOE)),
 }
 MOE_FAMILIES = {f for f, (_, extra) in FAMILIES.items() if "num_experts_per_tok" in extra}
-WITH_TOKENIZER_JSON = {"mistral", "mixtral", "phi3"}   # transformers reads these model_types with a generic class
-PHI3_TOKENS = ["<|endoftext|>", "<|assistant|>", "<|end|>", "<|user|>", "<|system|>"]   # llama.cpp's Phi-3 loader looks these up
 
 
 def tiny_model(family: str, out: Path, *, released_tokenizer: bool = True) -> tuple[Path, str]:
     """A random-init `family` model in `out` with a tokenizer as the family's releases ship it (or, with
     released_tokenizer=False, only the asset's files)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
     asset, extra = FAMILIES[family]
-    src = REPO / "assets" / asset
-    out.mkdir(parents=True)
-    for f in src.iterdir():
-        if f.name.startswith("tokenizer") or f.name == "chat_template.jinja":
-            shutil.copy(f, out / f.name)
-    vocab = json.loads((src / "config.json").read_text())["vocab_size"]
-    if released_tokenizer and family in WITH_TOKENIZER_JSON:
-        tok = AutoTokenizer.from_pretrained(src)
-        if family == "phi3":
-            tok.add_special_tokens({"additional_special_tokens": PHI3_TOKENS})
-        tok.save_pretrained(out)   # tokenizer.json beside the copied tokenizer.model
-        vocab = len(tok)
-    if family.startswith("gemma"):   # Gemma's GGUF has no word-start space after special tokens, nor has its tokenizer
-        tc = json.loads((out / "tokenizer_config.json").read_text())
-        (out / "tokenizer_config.json").write_text(json.dumps(tc | {"legacy": False}))
-    ids = json.loads((src / "config.json").read_text())
-    special = {k: ids[k] for k in ("bos_token_id", "eos_token_id") if ids.get(k) is not None}
-    shape = SHAPE | {k: v for k, v in extra.items() if k in SHAPE}
-    config = AutoConfig.for_model(family, **shape, **{k: v for k, v in extra.items() if k not in SHAPE},
-                                  vocab_size=vocab, pad_token_id=ids.get("pad_token_id") or 0, **special)
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(out)
-    return out, asset
+    return random_model(family, SHAPE | extra, asset, out, released_tokenizer=released_tokenizer), asset
 
 
-def _config(tmp_path: Path, model_dir: Path, asset: str):
+def _config(tmp_path: Path, model_dir: Path, asset: str, *, quant_types: tuple[str, ...] = ("Q4_K_M",), imatrix: str = "off"):
     base = REPO / "configs" / ("chatml.yaml" if asset == "tiny-chatml" else "default.yaml")
     # random weights: the export's fidelity and the smoke's accuracy have nothing to hold; that they run is the point
     # one K-quant per family keeps 15 families inside CI's time; both are the default's, tested elsewhere
-    loose = {"f16": 1.0, "Q4_K_M": 1.0}
+    loose = dict.fromkeys(("f16", *quant_types), 1.0)
     return load_config(write_config(
         tmp_path, base=base, model={"name_or_path": str(model_dir)},
         training={"max_steps": 4, "save_steps": 4, "eval_steps": 4},
-        export={"imatrix": "off", "quant_types": ["Q4_K_M"], "fidelity": {"samples": 4, "max_mean_kl": loose, "min_top1": dict.fromkeys(loose, 0.0)}},
+        export={"imatrix": imatrix, "quant_types": list(quant_types),
+                "fidelity": {"samples": 4, "max_mean_kl": loose, "min_top1": dict.fromkeys(loose, 0.0)}},
         smoke={"min_accuracy": 0.0, "max_prompts": 3, "max_tokens": 8, "serve": False}))
 
 

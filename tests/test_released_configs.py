@@ -28,3 +28,18 @@ def test_a_released_config_at_full_size_passes_the_preflight(name, tmp_path):
     result = preflight.run(cfg, tmp_path / "preflight", train_only=True)
     assert result.fits and result.estimate.total_gib > 0.5, result.estimate.total_gib
     assert "**total**" in result.report_md.read_text()
+
+
+def test_each_release_s_narrow_copy_keeps_its_widths_heads_experts_and_per_layer_types():
+    """The copy bench/released_configs/sweep.py runs through every stage: the release's config.json but the layers and
+    the intermediate sizes, all divided by one power of two, with every kind of layer the release has."""
+    from transformers import AutoConfig
+
+    for name, (_source, release) in released.RELEASES.items():
+        model_type, copy, changed = released.narrow(name)
+        assert set(changed) <= {"num_hidden_layers", "layer_types", *released.INTERMEDIATE}, (name, changed)
+        divisors = {release[k] / copy[k] for k in released.INTERMEDIATE if k in release}
+        assert len(divisors) == 1 and divisors.pop().is_integer(), (name, changed)
+        full, small = (AutoConfig.for_model(model_type, **{k: v for k, v in c.items() if k != "model_type"}) for c in (release, copy))
+        for per_layer in ("layer_types", "no_rope_layers", "mlp_only_layers"):
+            assert set(getattr(full, per_layer, None) or ()) == set(getattr(small, per_layer, None) or ()), (name, per_layer)

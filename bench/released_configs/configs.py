@@ -3,13 +3,13 @@ attention or the loss (queries not low-rank, head_dim other than hidden / heads,
 embeddings, multipliers, per-layer types, expert counts), copied from the release named in `source`. Token ids
 (bos/eos/pad) are left out: each copy takes its tokenizer's.
 
-Read by tests/test_released_configs.py (each family at full size, as a header-only checkpoint, through the preflight)
-and bench/released_configs/sweep.py, both through checkpoint()."""
+Read by tests/test_released_configs.py and bench/released_configs/sweep.py: checkpoint() writes a release at full
+size as a header-only checkpoint (the preflight's input); model() its narrowest copy that keeps every ratio, random-init
+(narrow(): the release's widths and ratios at a few layers), for every stage."""
 
 from __future__ import annotations
 
 import json
-import shutil
 import sys
 from pathlib import Path
 
@@ -134,33 +134,99 @@ RELEASES: dict[str, tuple[str, dict]] = {
 # the tokenizer asset a copy takes: SentencePiece (tiny-llama) where the family's releases ship one, else byte-level BPE
 SENTENCEPIECE = {"llama-3.1-8b": False, "mistral-7b-v0.3": True, "mistral-nemo-12b": False, "gemma-2-2b": True,
                  "gemma-3-1b": True, "phi-3-mini-4k": True, "mixtral-8x7b": True}
-PHI3_TOKENS = ["<|endoftext|>", "<|assistant|>", "<|end|>", "<|user|>", "<|system|>"]   # llama.cpp's Phi-3 loader looks these up
+
+# The fewest decoder layers that keep a release's per-layer pattern, or that llama.cpp reads the family at (else 2)
+LAYERS = {
+    "gemma-3-1b": 6,          # one global layer in six
+    "smollm3-3b": 4,          # no RoPE in every fourth layer
+    "deepseek-v2-lite": 26,   # llama.cpp reads a deepseek2 GGUF without q_lora_rank only at 26 or 27 layers (its is_lite)
+}
+INTERMEDIATE = ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size")
+# The copy's feed-forward weights, all layers together: a budget that keeps each copy's training, merge and export
+# in a few GiB of a CPU's memory at the release's own hidden size (which its head count x head_dim fixes)
+FFN_BUDGET = 64_000_000
+
+
+def _experts(v: dict) -> int:
+    return v.get("num_local_experts") or v.get("num_experts") or v.get("n_routed_experts") or 0
+
+
+def _expert_width_key(v: dict) -> str | None:
+    return ("moe_intermediate_size" if v.get("moe_intermediate_size") else "intermediate_size") if _experts(v) else None
+
+
+def _ffn_params(v: dict) -> int:
+    experts = _experts(v)
+    if not experts:
+        return 3 * v["hidden_size"] * v["intermediate_size"] * v["num_hidden_layers"]
+    width = v[_expert_width_key(v)]
+    shared = v.get("shared_expert_intermediate_size") or (v.get("n_shared_experts") or 0) * width
+    dense = v.get("first_k_dense_replace") or 0
+    return 3 * v["hidden_size"] * ((experts * width + shared) * (v["num_hidden_layers"] - dense) + v["intermediate_size"] * dense)
+
+
+def narrow(name: str) -> tuple[str, dict, dict]:
+    """The narrowest copy of a release that keeps every ratio: every key of its config.json as released (hidden size,
+    head counts, head_dim, the latent attention's ranks and nope/rope split, expert counts and top-k, shared experts,
+    partial rotary, soft-capping, windows, multipliers, tied tables) but the decoder layers (LAYERS, else 2; per-layer
+    lists cut to them) and the intermediate sizes, all divided by one power of two (so their ratios stay) until the
+    feed-forward weights fit FFN_BUDGET, or no larger one divides them all and leaves the experts' width a multiple of
+    8. The vocabulary is the tokenizer asset's.
+    Returns the model_type, the config values and what was changed: {key: [release, copy]}."""
+    values = dict(RELEASES[name][1])
+    model_type = values.pop("model_type")
+    layers = LAYERS.get(name, 2)
+    copy = dict(values, num_hidden_layers=layers)
+    if "layer_types" in copy:
+        copy["layer_types"] = copy["layer_types"][:layers]
+    sizes = {k: copy[k] for k in INTERMEDIATE if copy.get(k)}
+    expert = _expert_width_key(copy)
+
+    def can_halve(d: int) -> bool:   # torch's grouped matmul, which runs the experts, needs rows of 16 bytes (8 bf16)
+        return all(w % (2 * d) == 0 for w in sizes.values()) and (expert is None or sizes[expert] % (16 * d) == 0)
+
+    divisor = 1
+    while _ffn_params(copy | {k: w // divisor for k, w in sizes.items()}) > FFN_BUDGET and can_halve(divisor):
+        divisor *= 2
+    copy |= {k: w // divisor for k, w in sizes.items()}
+    changed = {k: [values.get(k), copy[k]] for k in copy if copy[k] != values.get(k)}
+    return model_type, copy, changed
+
+
+def asset(name: str) -> str:
+    return "tiny-llama" if SENTENCEPIECE.get(name) else "tiny-chatml"
+
+
+def model(name: str, out: Path) -> tuple[Path, str, dict]:
+    """The release's narrow copy (narrow()), random-init, with the asset tokenizer its family's releases ship; returns
+    the directory, the asset's name and what was changed from the release (the vocabulary included)."""
+    _ensure_repo_importable()
+    from tests.tiny_models import random_model
+
+    model_type, values, changed = narrow(name)
+    random_model(model_type, values, asset(name), out)
+    vocab = json.loads((out / "config.json").read_text())["vocab_size"]
+    return out, asset(name), changed | {"vocab_size": [RELEASES[name][1]["vocab_size"], vocab]}
+
+
+def _ensure_repo_importable() -> None:
+    for path in (REPO, REPO / "bench" / "gpu_figure"):
+        if str(path) not in sys.path:
+            sys.path.insert(0, str(path))
 
 
 def checkpoint(name: str, out: Path) -> tuple[Path, str]:
     """The release's model at full size as safetensors headers (bench/gpu_figure/sparse_checkpoint.py: no disk, no
     weights), with the asset tokenizer its family's releases ship (SentencePiece or byte-level BPE) and that
     tokenizer's special token ids; returns the directory and the asset's name."""
-    sys.path.insert(0, str(REPO / "bench" / "gpu_figure"))
+    _ensure_repo_importable()
     import sparse_checkpoint
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoConfig
 
-    _source, values = RELEASES[name]
-    asset = REPO / "assets" / ("tiny-llama" if SENTENCEPIECE.get(name) else "tiny-chatml")
-    spec = dict(values)
+    from tests.tiny_models import tokenizer_files
+
+    spec = dict(RELEASES[name][1])
     model_type = spec.pop("model_type")
-    ids = json.loads((asset / "config.json").read_text())
-    special = {k: ids[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if ids.get(k) is not None}
+    _vocab, special = tokenizer_files(model_type, asset(name), out)
     sparse_checkpoint.write(AutoConfig.for_model(model_type, **spec, **special), out)
-    for f in asset.iterdir():
-        if f.name.startswith("tokenizer") or f.name == "chat_template.jinja":
-            shutil.copy(f, out / f.name)
-    if model_type in ("mistral", "mixtral", "phi3") and SENTENCEPIECE.get(name):
-        tok = AutoTokenizer.from_pretrained(asset)   # these model_types read a generic class: the release's tokenizer.json
-        if model_type == "phi3":
-            tok.add_special_tokens({"additional_special_tokens": PHI3_TOKENS})
-        tok.save_pretrained(out)
-    if model_type.startswith("gemma"):   # as Gemma's releases: no word-start space after special tokens
-        tc = json.loads((out / "tokenizer_config.json").read_text())
-        (out / "tokenizer_config.json").write_text(json.dumps(tc | {"legacy": False}))
-    return out, asset.name
+    return out, asset(name)
