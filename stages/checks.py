@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import errno
 import importlib
-import json
 import os
 import subprocess
 import time
@@ -42,7 +41,7 @@ from stages.config import RunConfig
 from stages.errors import DiskFull, MissingPackage, RunError, UserError
 from stages.export import convert as gguf_convert
 from stages.export import imatrix, llamacpp, llamacpp_process, vocab
-from stages.model.directory import resolve_model_dir
+from stages.model.directory import config_json, resolve_model_dir
 from stages.quants import OUTPUT_BITS, OUTPUT_FALLBACK_BITS, TYPES
 from stages.train import tracking
 
@@ -113,7 +112,7 @@ def served_tokenizer(cfg: RunConfig, tokenizer, gguf: Path, model_dir: Path) -> 
     texts (held-out and training samples in the chat template, and the converter's own probe text where the
     pre-tokenizer is named from tokenizer.json) equal the HF tokenizer's."""
     info = llamacpp.read_gguf(gguf)
-    rows = json.loads((model_dir / "config.json").read_text(encoding="utf-8")).get("vocab_size")
+    rows = config_json(model_dir).get("vocab_size")
     what = f"the GGUF vocabulary llama.cpp's converter makes from {model_dir}"
     vocab.check_metadata(info, tokenizer, rows, what, model_dir)
     texts = [data.chat_text(s, tokenizer) for s in _ordinary(data.held_out(cfg, 2 * SAMPLE_TEXTS), tokenizer)[:SAMPLE_TEXTS]]
@@ -357,9 +356,7 @@ def gguf_bytes(tensors: dict[str, tuple[list[int], str]], kind: str) -> int:
 
 def _merged_bytes(model_dir: Path, tensors: dict[str, tuple[list[int], str]]) -> int:
     """merge saves every floating tensor in the base checkpoint's own dtype (config.json's dtype, else bf16)."""
-    import json
-
-    config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    config = config_json(model_dir)
     width = 4 if (config.get("dtype") or config.get("torch_dtype")) == "float32" else 2
     return sum(_numel(shape) * (width if dtype.startswith(("F", "BF")) else DTYPE_BYTES.get(dtype, 1)) for shape, dtype in tensors.values())
 

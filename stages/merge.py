@@ -30,7 +30,7 @@ from stages.config import RunConfig
 from stages.errors import MissingInput
 from stages.export import fidelity
 from stages.memory import MemoryReport
-from stages.model.directory import resolve_model_dir
+from stages.model.directory import config_json, resolve_model_dir
 from stages.model.experts import lora as expert_lora
 from stages.model.experts import nf4 as expert_nf4
 from stages.model.experts import structure
@@ -123,9 +123,7 @@ def keep_release_names(base_dir: Path, merged_dir: Path) -> None:
     """The base's `architectures` (and `auto_map`) in the merged config.json. save_pretrained writes transformers' class
     name, which is not always the release's (Phi-3.5-MoE: PhimoeForCausalLM for PhiMoEForCausalLM), and llama.cpp's
     converter knows the release's: the preflight checked the base's name, the export must meet the same one."""
-    base = json.loads((base_dir / "config.json").read_text(encoding="utf-8"))
-    path = merged_dir / "config.json"
-    merged = json.loads(path.read_text(encoding="utf-8"))
+    base, merged, path = config_json(base_dir), config_json(merged_dir), merged_dir / "config.json"
     kept = {k: base[k] for k in ("architectures", "auto_map") if k in base}
     if any(merged.get(k) != v for k, v in kept.items()):
         path.write_text(json.dumps(merged | kept, indent=2, sort_keys=True) + "\n", encoding="utf-8")
@@ -174,7 +172,7 @@ def save_tokenizer(tokenizer, base_dir: Path, merged_dir: Path) -> None:
 
 
 def _checkpoint_dtype(model_dir: Path) -> torch.dtype:
-    cfg = json.loads((model_dir / "config.json").read_text())
+    cfg = config_json(model_dir)
     name = cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16"
     return getattr(torch, name) if name in ("bfloat16", "float16", "float32") else torch.bfloat16
 

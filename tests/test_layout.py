@@ -173,6 +173,35 @@ def test_only_the_preflight_imports_the_train_stage_from_outside_it():
     assert readers["stages.preflight"] and "stages.train.memory_model" in import_graph()["stages.train.widen"]
 
 
+def config_json_reads() -> list[str]:
+    """Every read of a model's config.json in stages/ (`.read_text()`, `.read_bytes()`, `.open()` or `open()` of an
+    expression naming "config.json", directly or through a name assigned one), as `<file>:<line>`."""
+    def names_it(node: ast.AST) -> bool:
+        return any(isinstance(n, ast.Constant) and n.value == "config.json" for n in ast.walk(node))
+
+    found = set()
+    for path in sorted(STAGES.rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        for scope in [tree, *(n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)))]:
+            held = {t.id for node in ast.walk(scope) if isinstance(node, ast.Assign) and names_it(node.value)
+                    for t in node.targets if isinstance(t, ast.Name)} if scope is not tree else set()
+            for node in ast.walk(scope):
+                if not isinstance(node, ast.Call):
+                    continue
+                f = node.func
+                target = (f.value if isinstance(f, ast.Attribute) and f.attr in ("read_text", "read_bytes", "open") else
+                          node.args[0] if isinstance(f, ast.Name) and f.id == "open" and node.args else None)
+                if target is not None and (names_it(target) or (isinstance(target, ast.Name) and target.id in held)):
+                    found.add(f"{path.relative_to(REPO)}:{node.lineno}")
+    return sorted(found)
+
+
+def test_config_json_is_read_in_one_place():
+    """stages.model.directory.config_text is the one reader of a model's config.json; everything else asks it."""
+    reads = config_json_reads()
+    assert len(reads) == 1 and reads[0].startswith("stages/model/directory.py:"), reads
+
+
 def test_nothing_in_stages_imports_prefect_or_the_flows():
     for path in sorted(STAGES.rglob("*.py")):
         names = {a.name.split(".")[0] for node in _imports(ast.parse(path.read_text())) for a in node.names} | {

@@ -23,9 +23,10 @@ converter launcher (stages/export/convert.py) sets that one from the same file. 
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
+
+from stages.model.directory import config_json
 
 # A Hugging Face repo id: an optional organization and a name; `--` and `..` are refused by the Hub
 HF_ID = re.compile(r"^(?:[A-Za-z0-9][\w.-]*/)?[A-Za-z0-9][\w.-]*$")
@@ -50,7 +51,7 @@ def base_license(model_dir: Path) -> dict[str, str]:
 
     card = Metadata.load_model_card(Path(model_dir))
     try:
-        config = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
+        config = config_json(model_dir)
     except (OSError, ValueError):
         config = {}
     out = {}

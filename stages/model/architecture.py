@@ -130,10 +130,10 @@ class Targets:
 
 def of_model(model) -> Architecture | None:
     """The architecture of the base model a config's `model` section names (config.json only)."""
-    from stages.model.directory import resolve_model_dir
+    from stages.model.directory import config_text, resolve_model_dir
 
-    path = resolve_model_dir(model.name_or_path) / "config.json"
-    return from_config_text(path.read_text(encoding="utf-8"), model.trust_remote_code, str(path.parent))
+    model_dir = resolve_model_dir(model.name_or_path)
+    return from_config_text(config_text(model_dir), model.trust_remote_code, str(model_dir))
 
 
 def from_config(config: dict, trust_remote_code: bool = False, model_dir: str | None = None) -> Architecture | None:

@@ -19,6 +19,8 @@ import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from stages.model.directory import config_text
+
 LFS_POINTER = b"version https://git-lfs"
 FLOAT_DTYPES = {"F16", "BF16", "F32", "F64"}
 PROBE_TEXT = "The quick brown fox jumps over the lazy dog, then reads 12 books about oceans."
@@ -83,7 +85,7 @@ def _task_head(config: dict, tensors: dict[str, dict], model_dir: Path) -> str |
 def _config(model_dir: Path, trust_remote_code: bool, problems: list[str]) -> dict | None:
     path = model_dir / "config.json"
     try:
-        config = json.loads(path.read_text(encoding="utf-8"))
+        config = json.loads(config_text(model_dir))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         problems.append(f"{path}: not valid JSON ({e}); restore it from the model's source (a download cut short?)")
         return None

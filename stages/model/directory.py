@@ -41,6 +41,16 @@ def resolve_model_dir(name_or_path: str) -> Path:
     )
 
 
+def config_text(model_dir: Path | str) -> str:
+    """A model directory's config.json, the one place the stages read it (the architecture, the estimate, the model
+    checks, merge and export take what they need of it through here)."""
+    return (Path(model_dir) / "config.json").read_text(encoding="utf-8")
+
+
+def config_json(model_dir: Path | str) -> dict:
+    return json.loads(config_text(model_dir))
+
+
 HF_DIRECTORY = "the Hugging Face model directory (config.json, *.safetensors and the tokenizer files)"
 
 

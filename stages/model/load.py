@@ -16,7 +16,7 @@ import torch
 
 from stages.errors import ConfigError, ModelError
 from stages.model import architecture
-from stages.model.directory import resolve_model_dir
+from stages.model.directory import config_json, config_text, resolve_model_dir
 from stages.model.experts import lora as expert_lora
 from stages.model.experts import nf4 as expert_nf4
 
@@ -95,9 +95,7 @@ def special_token_problem(tok, model_dir: Path) -> str | None:
     """Why the tokenizer's special tokens cannot train and serve this model: no EOS (answers that never end), an id past
     the embedding table (an IndexError at step 1), or config.json naming another EOS/BOS than the tokenizer (generation
     stops at one token, training teaches the other); None when they agree."""
-    import json
-
-    config = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
+    config = config_json(model_dir)
     config = config.get("text_config") or config  # a multimodal checkpoint keeps the language model's ids there
     rows = config.get("vocab_size")
     files = f"{Path(model_dir) / 'tokenizer_config.json'}"
@@ -150,7 +148,7 @@ def attention_for(requested: str, arch) -> str:
 def attention_of_dir(model_dir: Path) -> str | None:
     """The attention `auto` gives the model in `model_dir` (a merged model: what its reference logits are computed
     with); None, transformers' own choice, where the architecture cannot be built here."""
-    arch = architecture.from_config_text((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
+    arch = architecture.from_config_text(config_text(model_dir))
     return attention_for("auto", arch) if arch else None
 
 

@@ -12,7 +12,6 @@ import ast
 import functools
 import importlib.util
 import inspect
-import json
 import sys
 import textwrap
 from dataclasses import dataclass
@@ -238,10 +237,10 @@ def own_loss_refusal(cfg: RunConfig) -> str | None:
 
 def model_type(cfg: RunConfig) -> str | None:
     """config.json's model_type of the base model, None where it cannot be read (the model checks say why)."""
-    from stages.model.directory import resolve_model_dir
+    from stages.model.directory import config_json, resolve_model_dir
 
     try:
-        return json.loads((resolve_model_dir(cfg.model.name_or_path) / "config.json").read_text(encoding="utf-8")).get("model_type")
+        return config_json(resolve_model_dir(cfg.model.name_or_path)).get("model_type")
     except Exception:  # noqa: BLE001 - a model that cannot be read is reported by the model checks, with the fix
         return None
 

@@ -68,12 +68,10 @@ class Shapes:
     @classmethod
     def of_run(cls, cfg: RunConfig) -> Shapes:
         """The run's base model, read from its config.json (a local directory or the HF cache), no weights."""
-        import json
-
-        from stages.model.directory import resolve_model_dir
+        from stages.model.directory import config_json, resolve_model_dir
 
         model_dir = resolve_model_dir(cfg.model.name_or_path)
-        return cls.from_config(json.loads((model_dir / "config.json").read_text()), cfg.model.trust_remote_code, str(model_dir))
+        return cls.from_config(config_json(model_dir), cfg.model.trust_remote_code, str(model_dir))
 
     @classmethod
     def from_config(cls, cfg: dict, trust_remote_code: bool = False, model_dir: str | None = None) -> Shapes:
