@@ -21,8 +21,10 @@ from stages.paths import STAGES
 from tests.conftest import REPO, write_config
 
 pytestmark = pytest.mark.slow
-# the imatrix (a pass over the training data, each type quantized and measured twice) is tested in tests/test_imatrix.py
-FAST = {"training": {"max_steps": 10, "save_steps": 5}, "smoke": {"min_accuracy": 0.0, "max_prompts": 5}, "export": {"imatrix": "off"}}
+# the imatrix (a pass over the training data, each type quantized and measured twice) is tested in tests/test_imatrix.py,
+# the adapter's proof (the base converted again, both served and compared) in tests/test_adapter_handoff.py
+FAST = {"training": {"max_steps": 10, "save_steps": 5}, "smoke": {"min_accuracy": 0.0, "max_prompts": 5}, "export": {"imatrix": "off"},
+        "handoff": {"adapter": "off"}}
 GPU_STAGES = ("preflight", "train", "merge", "export", "smoke")
 
 

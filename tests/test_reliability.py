@@ -81,7 +81,9 @@ class Workspace:
         self.sections: dict = {"model": {"name_or_path": str(self.model)},
                                "data": {"train_file": str(self.train), "eval_file": str(self.eval)},
                                "training": {"max_steps": 5, "save_steps": 5},
-                               "export": {"imatrix": "off"}}  # what fails here is not the imatrix (tests/test_imatrix.py)
+                               # what fails here is not the imatrix (tests/test_imatrix.py) nor the adapter's proof
+                               # (tests/test_adapter_handoff.py): each would cost every run here its time
+                               "export": {"imatrix": "off"}, "handoff": {"adapter": "off"}}
         bundle = tmp / "handoff" / "tiny-llama-translate" / "v0"
         bundle.mkdir(parents=True)
         (bundle / "model-Q4_K_M.gguf").write_bytes(b"earlier bundle")
