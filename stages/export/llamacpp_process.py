@@ -2,8 +2,8 @@
 
 Fidelity, the tokenization check and the smoke test load GGUF files with llama-cpp-python.
 With the CUDA build, a model load segfaults inside llama_model_load_from_file in any process
-that has imported torch or transformers, CUDA touched or not; alone it works (H200,
-bench/llama_cuda/results/llama_gpu_diag.json, a 2-layer model as a 7B; the CPU build never crashed).
+that has imported torch or transformers, CUDA touched or not; alone it works (docs/benchmarks.md: llama_cuda;
+the CPU build never crashed).
 The flow's process has trained, merged and run the reference with torch. In a separate process:
 - llama.cpp gets a process without torch's CUDA context and libraries;
 - a native crash there is one clear error naming the file, not a dead flow;
