@@ -21,6 +21,9 @@ def test_the_peers_bench_runs_its_cpu_rows(tmp_path):
     subprocess.run([*RUN, "stage", *common, "--variants", "fused-off", "--out", str(tmp_path / "stage.json")], check=True,
                    env=env, cwd=tmp_path)
     subprocess.run([*RUN, "peft", *common, "--out", str(tmp_path / "peft.json")], check=True, env=env, cwd=tmp_path)
+    # attention.sh's baseline: the stage with every packed row through the varlen path (on a CPU its per-sample loop)
+    subprocess.run([*RUN, "stage", *common[:5], "full", *common[7:], "--varlen-only", "--name", "stage-varlen",
+                    "--out", str(tmp_path / "varlen.json")], check=True, env=env, cwd=tmp_path)
     subprocess.run([*RUN, "merge", str(tmp_path / "results.json"), str(tmp_path / "stage.json"), str(tmp_path / "peft.json")],
                    check=True, env=env, cwd=tmp_path)
     rows = json.loads((tmp_path / "results.json").read_text())["rows"]
@@ -35,3 +38,8 @@ def test_the_peers_bench_runs_its_cpu_rows(tmp_path):
     for data in ("full", "longtail"):
         stage_row, peft = (next(r for r in rows if r["name"] == n and r["data"] == data) for n in ("stage", "peft"))
         assert abs(stage_row["mean_loss"] - peft["mean_loss"]) < 0.01, (stage_row["losses"], peft["losses"])
+    # full rows are equal-length samples: the stage's causal-rows attention trains what the varlen path trains
+    varlen = json.loads((tmp_path / "varlen.json").read_text())["result"]
+    assert varlen["varlen_only"] and list(varlen["runs"]) == ["full"]
+    full = next(r for r in rows if r["name"] == "stage" and r["data"] == "full")
+    assert max(abs(a - b) for a, b in zip(varlen["runs"]["full"]["losses"], full["losses"], strict=True)) < 1e-3
