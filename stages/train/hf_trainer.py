@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 from transformers import EarlyStoppingCallback, Trainer, TrainerCallback, TrainingArguments
+from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME
 
 from stages import errors, memory
 from stages.config import RunConfig
@@ -188,11 +189,12 @@ class StageTrainer(Trainer):
         # Private override kept: the one place the Trainer reads a checkpoint's optimizer state into the optimizer it
         # built. A checkpoint of the other AdamW (the OOM fallback from fit: speed to fit: memory resumes the fused
         # AdamW's checkpoint with 8-bit AdamW) gets its moments carried over instead of a KeyError at the next step.
-        saved = None if checkpoint is None or self.is_fsdp_enabled else optim_state.read_other(Path(checkpoint), self.optimizer)
+        inner = getattr(self.optimizer, "optimizer", self.optimizer)   # accelerate's wrapper holds the optimizer built
+        saved = None if checkpoint is None or self.is_fsdp_enabled else optim_state.read_other(Path(checkpoint) / OPTIMIZER_NAME, inner)
         if saved is None:
             return super()._load_optimizer_and_scheduler(checkpoint)
-        optim_state.adopt(getattr(self.optimizer, "optimizer", self.optimizer), saved)
-        self.lr_scheduler.load_state_dict(torch.load(Path(checkpoint) / "scheduler.pt", weights_only=True))
+        optim_state.adopt(inner, saved)
+        self.lr_scheduler.load_state_dict(torch.load(Path(checkpoint) / SCHEDULER_NAME, weights_only=True))
         optim = getattr(self.args.optim, "value", self.args.optim)
         print(f"train: {Path(checkpoint).name}'s AdamW moments carried over to {optim}", flush=True)
 

@@ -41,15 +41,14 @@ def own_layout(optimizer) -> str:
     return "torch"
 
 
-def read_other(checkpoint: Path, optimizer) -> dict | None:
-    """The checkpoint's optimizer state where it is of the other layout than `optimizer` (maybe wrapped by
-    accelerate), else None (the Trainer's own load then reads it). Memory-mapped: a look at the keys reads no moment."""
-    f = checkpoint / "optimizer.pt"
+def read_other(f: Path, optimizer) -> dict | None:
+    """The optimizer state saved in `f` where it is of the other layout than `optimizer`, else None (the Trainer's own
+    load then reads it). Memory-mapped: a look at the keys reads no moment."""
     if not f.is_file():
         return None
     saved = torch.load(f, map_location="cpu", weights_only=True, mmap=True)
     theirs = layout(saved)
-    return saved if theirs is not None and theirs != own_layout(getattr(optimizer, "optimizer", optimizer)) else None
+    return saved if theirs is not None and theirs != own_layout(optimizer) else None
 
 
 @torch.no_grad()
