@@ -21,8 +21,9 @@ def test_the_peers_bench_runs_its_cpu_rows(tmp_path):
     subprocess.run([*RUN, "stage", *common, "--variants", "fused-off", "--out", str(tmp_path / "stage.json")], check=True,
                    env=env, cwd=tmp_path)
     subprocess.run([*RUN, "peft", *common, "--out", str(tmp_path / "peft.json")], check=True, env=env, cwd=tmp_path)
-    # attention.sh's baseline: the stage with every packed row through the varlen path (on a CPU its per-sample loop)
-    subprocess.run([*RUN, "stage", *common[:5], "full", *common[7:], "--varlen-only", "--name", "stage-varlen",
+    # attention.sh's baseline: the stage with every packed row through the varlen path (on a CPU its per-sample loop);
+    # moe.sh's: the loss in memory-first chunks
+    subprocess.run([*RUN, "stage", *common[:5], "full", *common[7:], "--varlen-only", "--loss", "narrow", "--name", "stage-varlen",
                     "--out", str(tmp_path / "varlen.json")], check=True, env=env, cwd=tmp_path)
     subprocess.run([*RUN, "merge", str(tmp_path / "results.json"), str(tmp_path / "stage.json"), str(tmp_path / "peft.json")],
                    check=True, env=env, cwd=tmp_path)

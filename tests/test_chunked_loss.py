@@ -33,7 +33,7 @@ def _pair(family: str):
 def test_the_chunked_loss_and_its_gradients_are_the_stock_ones(family, monkeypatch):
     stock, chunked = _pair(family)
     assert chunked_loss.unsupported(type(stock)) is None and chunked_loss.installed(chunked)
-    monkeypatch.setattr(chunked_loss, "chunk_rows", lambda rows, vocab, hidden: 7)   # chunks that do not divide the rows
+    monkeypatch.setattr(chunked_loss, "chunk_rows", lambda *_: 7)   # chunks that do not divide the rows
     ids = torch.randint(0, SMALL["vocab_size"], (2, 40))
     with torch.no_grad():   # without labels the forward returns the logits, as before
         torch.testing.assert_close(chunked(input_ids=ids).logits, stock(input_ids=ids).logits)
@@ -99,3 +99,27 @@ def test_the_train_stage_model_computes_the_chunked_loss(tmp_path):
 
     model = build_model(load_config(write_config(tmp_path)))
     assert chunked_loss.installed(model)
+
+
+def test_a_plan_with_the_cards_room_takes_chunks_the_output_layer_is_not_read_for_a_few_rows(tmp_path, monkeypatch):
+    # Qwen1.5-MoE's head (151,936 x 2,048) at 8,192 tokens: half Liger's chunk is 64 rows, 128 reads of the layer a step
+    assert chunked_loss.chunk_rows(8192, 151_936, 2048) == 64
+    wide = chunked_loss.chunk_rows(8192, 151_936, 2048, chunked_loss.WIDE_CHUNK_LOGITS)
+    assert wide >= 1024 and 6 * wide * 151_936 <= 1.6 * 2**30   # the logits a chunk holds at its peak, 6 bytes each
+    assert chunked_loss.chunk_rows(8192, 262_144, 2048, chunked_loss.WIDE_CHUNK_LOGITS) == 1024
+    cfg = load_config(write_config(tmp_path, training={"fit": "speed"}))
+    assert kernels.resolve_auto(cfg, on_gpu=True)["loss_chunk_logits"] == chunked_loss.WIDE_CHUNK_LOGITS
+    memory = load_config(write_config(tmp_path, training={"fit": "memory"}))
+    assert kernels.resolve_auto(memory, on_gpu=True)["loss_chunk_logits"] == chunked_loss.MIN_CHUNK_LOGITS
+    assert kernels.resolve_auto(cfg, on_gpu=False)["loss_chunk_logits"] == chunked_loss.MIN_CHUNK_LOGITS
+    # the chunk the model computes with is the one the settings name: the same loss whatever the chunk
+    stock, chunked = _pair("llama")
+    seen = []
+    real = chunked_loss.chunk_rows
+    monkeypatch.setattr(chunked_loss, "chunk_rows", lambda *a: seen.append(a[-1]) or real(*a))
+    ids = torch.randint(0, SMALL["vocab_size"], (2, 40))
+    for min_logits in (chunked_loss.MIN_CHUNK_LOGITS, chunked_loss.WIDE_CHUNK_LOGITS):
+        chunked_loss.use(chunked, min_logits)
+        with torch.no_grad():
+            torch.testing.assert_close(chunked(input_ids=ids, labels=ids).loss, stock(input_ids=ids, labels=ids).loss)
+    assert seen == [chunked_loss.MIN_CHUNK_LOGITS, chunked_loss.WIDE_CHUNK_LOGITS]

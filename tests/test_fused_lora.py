@@ -96,3 +96,50 @@ def test_the_stage_model_uses_it_and_it_can_be_switched_off(tmp_path):
                                                         "fused_lora": "on"}))
     with pytest.raises(ConfigError, match="fused_lora: on .* FSDP2"):
         kernels.settings(fsdp)
+
+
+def test_a_layer_of_one_output_computes_what_peft_computes():
+    # Qwen-MoE's shared_expert_gate is Linear(hidden, 1): its backward takes the broadcast product, not a matmul over 1
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_config(AutoConfig.for_model(
+        "qwen2_moe", vocab_size=300, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+        shared_expert_intermediate_size=64, num_experts=4, num_experts_per_tok=2, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2))
+    peft_model = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules=["shared_expert_gate", "q_proj"]))
+    for n, p in peft_model.named_parameters():
+        if "lora_B" in n:
+            torch.nn.init.normal_(p, std=0.05)
+    fused = copy.deepcopy(peft_model)
+    assert fused_lora.use(fused) == 2
+    gate = fused.base_model.model.model.layers[0].mlp.shared_expert_gate
+    assert gate.get_base_layer().out_features == 1 and "forward" in gate.__dict__
+    ids = torch.randint(0, 300, (2, 16))
+    (a, ga), (b, gb) = _loss_and_grads(peft_model, ids, 1), _loss_and_grads(fused, ids, 1)
+    torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+    assert any("shared_expert_gate.lora_A" in k for k in ga) and ga.keys() == gb.keys()
+    for k in ga:
+        torch.testing.assert_close(gb[k], ga[k], rtol=1e-4, atol=1e-6, msg=k)
+    x = torch.randn(5, 64, requires_grad=True)
+    gate(x).sum().backward()   # the input's gradient through the broadcast product: W + scaling * B A, per token
+    w = gate.get_base_layer().weight + gate.scaling["default"] * gate.lora_B["default"].weight @ gate.lora_A["default"].weight
+    torch.testing.assert_close(x.grad, w.expand(5, -1), rtol=1e-5, atol=1e-6)
+
+
+def test_a_family_liger_has_no_kernels_for_gets_llamas_where_its_modules_are_llamas():
+    # Qwen2-MoE: its RMSNorm, RoPE and shared-expert MLP are Llama's line for line; GPT-OSS's norm and MLP are not
+    torch.manual_seed(0)
+    qwen = AutoModelForCausalLM.from_config(AutoConfig.for_model(
+        "qwen2_moe", vocab_size=300, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+        shared_expert_intermediate_size=64, num_experts=4, num_experts_per_tok=2, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2))
+    norms, mlps, rope = kernels.llama_like(qwen)
+    assert len(norms) == 2 * 2 + 1 and {type(m).__name__ for m in norms} == {"Qwen2MoeRMSNorm"}
+    assert [type(m).__name__ for m in mlps] == ["Qwen2MoeMLP"] * 2 and rope   # the shared experts
+    oss = AutoModelForCausalLM.from_config(AutoConfig.for_model(
+        "gpt_oss", vocab_size=300, hidden_size=64, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16))
+    assert kernels.llama_like(oss) == ([], [], False)
+    gemma = AutoModelForCausalLM.from_config(AutoConfig.for_model(   # Llama's MLP forward, a GELU activation
+        "gemma", vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16))
+    assert kernels.llama_like(gemma)[1] == []

@@ -346,6 +346,13 @@ def run_stage(args, shape: dict) -> dict:
     if args.varlen_only:
         from stages.train import attention
         attention._equal_rows = lambda *a: None
+    if args.loss == "narrow":
+        from stages.train import chunked_loss
+        chunked_loss.WIDE_CHUNK_LOGITS = chunked_loss.MIN_CHUNK_LOGITS
+    if args.stock_modules:
+        kernels.llama_like = lambda model: ([], [], False)
+    if args.loss == "own":
+        kernels.fused_loss_for = lambda family: False
     out, model, built_with = {"set": args.set, "runs": {}, "varlen_only": args.varlen_only}, None, None
     for kind in args.data:
         data = rows(kind, args, shape["vocab_size"])
@@ -517,6 +524,11 @@ def main() -> None:
                     "(rows of max_length), instead of its padding-free default")
     ap.add_argument("--varlen-only", action="store_true", help="stage: every packed row through the varlen kernel, "
                     "equal-length samples included (the attention before stages/train/attention.py's `_causal_rows`)")
+    ap.add_argument("--loss", choices=["narrow", "own"], help="stage: the project's chunked loss in memory-first chunks "
+                    "whatever the plan (narrow: the loss before the plan sized its chunks), or instead of Liger's "
+                    "fused loss where Liger has one (own)")
+    ap.add_argument("--stock-modules", action="store_true", help="stage: no Llama kernels on a family Liger has no "
+                    "kernels for (kernels.llama_modules; the modules before)")
     ap.add_argument("--variants", nargs="*", default=[], choices=["fused-off"], help="stage: after each data set (not "
                     "long), the same model again with this change; its rows are named <tool>-<variant>")
     args = ap.parse_args()

@@ -5,7 +5,10 @@ vocabulary, 6.6 GB at 201k (GPT-OSS), and autograd keeps them (and their softmax
 rows go through the output layer a chunk at a time: each chunk's logits, loss and gradient are computed in the
 forward and only the gradient with respect to the hidden states ([rows, hidden], 16-bit) is kept; the chunk's logits
 are freed before the next. Chunks are half Liger's size (`chunk_rows`), so what stages/train/memory_model.py counts for
-Liger's loss holds for this one.
+Liger's loss holds for this one, and at least `min_logits` logits: a chunk of a few dozen rows reads the whole output
+layer twice for little work (Qwen1.5-MoE's 151,936 x 2,048 head at 8,192 tokens: 128 chunks of 64 rows, 55 ms of a
+240 ms step bound by memory reads), so a plan with the card's room (kernels.resolve_auto's `loss_chunk_logits`) takes
+chunks of WIDE_CHUNK_LOGITS, where the matmul is bound by compute.
 
 It is installed on the model's own forward: the output layer returns its input and the model's `loss_function`
 receives the hidden states in place of the logits, so everything the family's forward does around the loss (the
@@ -26,6 +29,7 @@ import torch
 from torch import nn
 
 MIN_CHUNK_LOGITS = 1 << 22   # 16 MB of fp32 logits
+WIDE_CHUNK_LOGITS = 1 << 28  # 1.5 GiB at 6 bytes a logit: >= 1,024 rows up to a 262k vocabulary
 # The lines of a family's forward the hidden states may meet in place of the logits: what is linear in them.
 _SCALE = r"( [*/] [\w.]+)?"
 # the head's own line: the hidden states (their last positions, cast to the head's dtype), a scale, a cast after
@@ -73,14 +77,14 @@ def unsupported(model_class: type, config=None, head: str = "lm_head") -> str | 
     return None
 
 
-def chunk_rows(rows: int, vocab: int, hidden: int) -> int:
+def chunk_rows(rows: int, vocab: int, hidden: int, min_logits: int = MIN_CHUNK_LOGITS) -> int:
     """Half Liger's chunk (the rows whose logits are about as many elements as the hidden states of all rows): a chunk
-    here holds its logits in 16 bits, then 32, then its gradient in 16 (6 bytes a logit against the 4 that
-    stages/train/memory_model.py counts per logit of Liger's chunk), and at least MIN_CHUNK_LOGITS logits."""
+    here holds its logits in 16 bits and their log-probabilities in 32, then the logits and their gradient in 16 (6
+    bytes a logit against the 4 that stages/train/memory_model.py counts per logit of Liger's chunk), and at least
+    `min_logits` logits (never under MIN_CHUNK_LOGITS: a small hidden size over a big vocabulary, the tests' tiny models
+    on real tokenizers, would otherwise loop a row at a time)."""
     liger = 1 << max(0, math.ceil(math.log2(max(1, math.ceil(rows / math.ceil(vocab / hidden))))))
-    # never under MIN_CHUNK_LOGITS logits: a small hidden size over a big vocabulary (the tests' tiny models on real
-    # tokenizers) would otherwise loop a row at a time
-    return max(1, liger // 2, MIN_CHUNK_LOGITS // vocab)
+    return max(1, liger // 2, max(min_logits, MIN_CHUNK_LOGITS) // vocab)
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -88,26 +92,31 @@ class _LinearCrossEntropy(torch.autograd.Function):
     the forward (where a gradient is wanted) and scaled by the incoming one in backward."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, grad_mode: bool):
+    def forward(ctx, hidden, weight, bias, targets, grad_mode: bool, min_logits: int):
         # forward runs without grad mode: whether the caller's had it comes in `grad_mode`, what wants one from ctx
         want_h, want_w, want_b = (grad_mode and wanted for wanted in ctx.needs_input_grad[:3])
         w = weight.to(hidden.dtype)
         b = bias.to(hidden.dtype) if bias is not None else None
-        step = chunk_rows(hidden.shape[0], weight.shape[0], weight.shape[1])
+        step = chunk_rows(hidden.shape[0], weight.shape[0], weight.shape[1], min_logits)
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         grad_h = torch.empty_like(hidden) if want_h else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_w else None
         grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if want_b else None
         for start in range(0, hidden.shape[0], step):
             h, t = hidden[start:start + step], targets[start:start + step]
-            logits = (h @ w.T if b is None else torch.addmm(b, h, w.T)).float()
-            lse = torch.logsumexp(logits, dim=-1)
-            total += (lse - logits.gather(1, t[:, None]).squeeze(1)).sum()
+            logits = h @ w.T if b is None else torch.addmm(b, h, w.T)
+            # one pass reading the 16-bit logits, writing fp32 log-probabilities (the stock loss's fp32 upcast, without
+            # the separate copy, max, exp and sum passes of logits.float().logsumexp())
+            logp = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
+            total -= logp.gather(1, t[:, None]).sum()
+            del logp
             if not (want_h or want_w or want_b):
                 continue
-            # d(sum of losses)/d logits = softmax - one-hot, written over the logits (one chunk's fp32 buffer)
-            grad = logits.sub_(lse[:, None]).exp_()
-            grad.scatter_add_(1, t[:, None], torch.full_like(lse[:, None], -1.0))
+            # d(sum of losses)/d logits = softmax - one-hot: the softmax in one pass, in the dtype the matmul below
+            # takes (fp32 where the output layer's own gradient is wanted)
+            grad = torch.softmax(logits, dim=-1, dtype=torch.float32 if want_w or want_b else None)
+            del logits
+            grad.scatter_add_(1, t[:, None], torch.full((t.shape[0], 1), -1.0, dtype=grad.dtype, device=grad.device))
             if want_h:
                 grad_h[start:start + step] = grad.to(hidden.dtype) @ w
             if want_w:
@@ -125,13 +134,13 @@ class _LinearCrossEntropy(torch.autograd.Function):
         # factor (<= 0.4%), which AdamW's update does not see; scaling in fp32 would hold a [rows, hidden] fp32 copy
         return (grad_h * grad_out.to(grad_h.dtype) if grad_h is not None else None,
                 (grad_w * grad_out).to(ctx.dtypes[0]) if grad_w is not None else None,
-                (grad_b * grad_out).to(ctx.dtypes[1]) if grad_b is not None else None, None, None)
+                (grad_b * grad_out).to(ctx.dtypes[1]) if grad_b is not None else None, None, None, None)
 
 
-def use(model: nn.Module) -> None:
+def use(model: nn.Module, min_logits: int = MIN_CHUNK_LOGITS) -> None:
     """The chunked loss on this CausalLM instance (before peft wraps it): in a forward given labels its output layer
     hands the hidden states to its `loss_function`, which computes ForCausalLMLoss's value (transformers.loss.loss_utils)
-    from them; a forward without labels returns the logits as before."""
+    from them, in chunks of at least `min_logits` logits; a forward without labels returns the logits as before."""
     head = model.get_output_embeddings()
     if type(head) is not nn.Linear or not head.weight.is_floating_point():
         raise ValueError(f"the chunked loss needs a plain nn.Linear output layer with a 16- or 32-bit weight, not "
@@ -161,7 +170,7 @@ def use(model: nn.Module) -> None:
         targets = shift_labels.reshape(-1).to(rows.device)
         kept = (targets != ignore_index).nonzero().squeeze(1)   # only loss-carrying rows meet the output layer
         total = _LinearCrossEntropy.apply(rows.index_select(0, kept), head.weight, head.bias, targets.index_select(0, kept),
-                                          torch.is_grad_enabled())
+                                          torch.is_grad_enabled(), min_logits)
         if num_items_in_batch is None:   # the mean over loss-carrying tokens (NaN where there are none, as the stock loss)
             return total / kept.numel()
         return total / (num_items_in_batch.to(total.device) if torch.is_tensor(num_items_in_batch) else num_items_in_batch)

@@ -30,6 +30,12 @@ def _weight(base: torch.nn.Module, dtype: torch.dtype) -> torch.Tensor:
     return w.to(dtype)
 
 
+def _outer(g: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """g @ w; for a layer of one output (a gate: Qwen-MoE's shared_expert_gate) the broadcast product, an elementwise
+    pass: cuBLAS takes an unaligned kernel for an inner dimension of 1 (1.2 ms for 8,192 x 2,048 on an H100)."""
+    return g * w if w.shape[0] == 1 else g @ w
+
+
 class LoRALinear(torch.autograd.Function):
     """y = x W^T + b + scaling * dropout(x) A^T B^T, with W the frozen base weight."""
 
@@ -58,13 +64,13 @@ class LoRALinear(torch.autograd.Function):
         dtype, s = ctx.dtype, ctx.scaling
         g = grad.reshape(-1, grad.shape[-1]).to(dtype)
         a, b = lora_a.to(dtype), lora_b.to(dtype)
-        gxa = (g @ b).mul_(s)                        # d loss / d (x A^T), tokens x r
+        gxa = _outer(g, b).mul_(s)                   # d loss / d (x A^T), tokens x r
         grad_a = (gxa.t() @ xd).to(lora_a.dtype) if ctx.needs_input_grad[1] else None
         grad_b = (g.t() @ xa).mul_(s).to(lora_b.dtype) if ctx.needs_input_grad[2] else None
         grad_x = None
         if ctx.needs_input_grad[0]:
             w = _weight(ctx.base, dtype)
-            grad_x = g @ w
+            grad_x = _outer(g, w)
             del w
             if mask is None:
                 grad_x.addmm_(gxa, a)

@@ -16,9 +16,11 @@ import sys
 import textwrap
 from dataclasses import dataclass
 
+import torch
+
 from stages.config import ConfigError, RunConfig
 from stages.model.load import device
-from stages.train import batches
+from stages.train import batches, chunked_loss
 from stages.train.batches import TILE_FROM_TOKENS
 
 
@@ -71,6 +73,9 @@ def resolve_auto(cfg: RunConfig, *, on_gpu: bool, liger: bool = True, bnb: bool 
         # cost 57 ms a step on Qwen3-8B all-linear (504 matrices) for 0.08 GiB (docs/benchmarks.md: peers)
         "optim": t.optim if t.optim != "auto" else "adamw_torch" if t.distributed == "fsdp" else
         "adamw_8bit" if memory_first and bnb else "adamw_torch_fused" if on_gpu else "adamw_torch",
+        # the project's chunked loss in chunks where the output layer's matmul is bound by compute, not by reading
+        # the layer once per few dozen rows, where the plan has the card's room (stages/train/chunked_loss.py)
+        "loss_chunk_logits": chunked_loss.WIDE_CHUNK_LOGITS if on_gpu and not memory_first else chunked_loss.MIN_CHUNK_LOGITS,
     }
 
 
@@ -111,6 +116,7 @@ class Settings:
     offload_embeddings: bool
     tiled_mlp: bool
     optim: str
+    loss_chunk_logits: int         # the least logits per chunk of the project's chunked loss
     cross_entropy: str             # plain, chunked (Liger's) or chunked-torch (stages/train/chunked_loss.py)
 
 
@@ -213,8 +219,6 @@ def own_loss_refusal(cfg: RunConfig) -> str | None:
     """Why stages/train/chunked_loss.py cannot compute this run's loss, or None where it can."""
     import transformers
 
-    from stages.train import chunked_loss
-
     if cfg.training.distributed == "fsdp":
         return "distributed: fsdp shards the output layer it reads"
     arch = _architecture(cfg)
@@ -289,9 +293,11 @@ def use_liger(model, *, loss: bool, kernels: bool, forced: bool = True) -> None:
 
     apply = MODEL_TYPE_TO_APPLY_LIGER_FN.get(model.config.model_type)
     if apply is None:
-        if not forced:  # `auto`: the stock modules and loss, and the probe measures what that costs
-            print(f"train: liger-kernel has no kernels for model_type {model.config.model_type!r}: stock modules"
-                  + (" and loss" if loss else ""))
+        if not forced:  # `auto`: Llama's kernels where the family computes Llama's maths, and the probe measures the rest
+            same = llama_modules(model) if kernels else {}
+            print(f"train: liger-kernel has no kernels for model_type {model.config.model_type!r}: "
+                  + (f"Llama's kernels on the modules that compute Llama's maths ({', '.join(f'{n} {k}' for k, n in same.items() if n)})"
+                     if any(same.values()) else "stock modules") + (", stock loss" if loss else ""))
             return
         raise ConfigError(
             f"liger-kernel has no kernels for model_type {model.config.model_type!r}; "
@@ -317,3 +323,67 @@ def liger_options(apply, *, loss: bool, kernels: bool) -> dict:
     accepted = set(inspect.signature(apply).parameters) - refused(apply)
     options = {"fused_linear_cross_entropy": loss, "cross_entropy": False} | {k: kernels for k in _MODULE_KERNELS}
     return {k: v for k, v in options.items() if k in accepted} | {k: False for k in refused(apply)}
+
+
+def llama_modules(model) -> dict[str, int]:
+    """Liger's Llama kernels on the modules of `model` whose family computes exactly Llama's maths, for a family
+    Liger has no apply function for (Qwen2-MoE, OLMoE: their RMSNorm, RoPE and dense SwiGLU MLP are Llama's
+    line for line, a generated copy): the RMSNorm and MLP modules of this instance, and the family's RoPE function on
+    CUDA tensors. Same source text as Llama's forward decides, not the class name; the MLP's activation must be SiLU.
+    Returns how many of each changed."""
+    from liger_kernel.transformers.monkey_patch import _patch_rms_norm_module, _patch_swiglu_module
+    from liger_kernel.transformers.swiglu import LigerSwiGLUMLP
+
+    norms, mlps, rope = llama_like(model)
+    for module in norms:
+        _patch_rms_norm_module(module)
+    for module in mlps:
+        _patch_swiglu_module(module, LigerSwiGLUMLP)
+    if rope:
+        family = sys.modules[type(model).__module__]
+        family.apply_rotary_pos_emb = _cuda_rope(family.apply_rotary_pos_emb)
+    return {"rms_norm": len(norms), "swiglu": len(mlps), "rope": int(rope)}
+
+
+def _silu_classes() -> tuple[type, ...]:
+    from transformers import activations
+
+    return (torch.nn.SiLU,) + tuple(c for c in (getattr(activations, "SiLUActivation", None),) if c is not None)
+
+
+_SILU = _silu_classes()
+
+
+def llama_like(model) -> tuple[list, list, bool]:
+    """The RMSNorm and SwiGLU MLP modules of `model` whose forward is Llama's line for line (a SiLU activation), and
+    whether its family's RoPE function is Llama's and not yet replaced."""
+    from transformers.models.llama import modeling_llama as llama
+
+    norms = [m for m in model.modules() if _same_forward(type(m), llama.LlamaRMSNorm)]
+    mlps = [m for m in model.modules() if _same_forward(type(m), llama.LlamaMLP) and isinstance(getattr(m, "act_fn", None), _SILU)]
+    stock = getattr(sys.modules.get(type(model).__module__), "apply_rotary_pos_emb", None)
+    return norms, mlps, stock is not None and not getattr(stock, "liger", False) and _same_source(stock, llama.apply_rotary_pos_emb)
+
+
+def _cuda_rope(stock):
+    """Liger's RoPE on CUDA tensors, the family's own elsewhere (a CPU merge later in this process)."""
+    from liger_kernel.transformers.rope import liger_rotary_pos_emb
+
+    @functools.wraps(stock)
+    def rope(q, k, cos, sin, *args, **kwargs):
+        return (liger_rotary_pos_emb if q.is_cuda else stock)(q, k, cos, sin, *args, **kwargs)
+
+    rope.liger = True
+    return rope
+
+
+def _same_forward(cls: type, reference: type) -> bool:
+    return cls is not reference and "forward" in vars(cls) and _same_source(cls.forward, reference.forward)
+
+
+@functools.cache
+def _same_source(fn, reference) -> bool:
+    try:
+        return inspect.getsource(fn) == inspect.getsource(reference)
+    except (OSError, TypeError):
+        return False

@@ -15,6 +15,7 @@ from stages.memory import GIB
 from stages.model import architecture
 from stages.model.architecture import Architecture, Linear, Targets
 from stages.model.load import compute_dtype
+from stages.train import chunked_loss
 from stages.train.kernels import OPTIM_BYTES, cross_entropy, resolve_auto
 
 KNOWN_MODEL_TYPES = {"llama", "qwen2", "mistral", "qwen3", "phi3", "olmo2"}  # measured (docs/benchmarks.md: gpu_figure)
@@ -219,11 +220,15 @@ class _Step:
     seq: int
     targets: Targets
     matrices: list[int]     # the numel of every lora_A and lora_B
-    chunked: bool           # a chunked cross-entropy (Liger's or the project's), not the whole logits
+    loss: str               # kernels.cross_entropy: plain, chunked (Liger's) or chunked-torch (the project's)
 
     @property
     def tokens(self) -> int:
         return self.b * self.seq
+
+    @property
+    def chunked(self) -> bool:  # a chunked cross-entropy (Liger's or the project's), not the whole logits
+        return self.loss != "plain"
 
     @property
     def kv(self) -> int:
@@ -259,7 +264,7 @@ def _step(cfg: RunConfig, s: Shapes, longest: int, on_gpu: bool, k: dict, packed
     r = cfg.lora.r
     matrices = [n for m in targets.linears for a, o in m.shapes for n in (r * a, r * o)]
     matrices += [n for stack in targets.stacks for n in stack.lora_matrices(r)]
-    return _Step(cfg, s, k, gpu, on_gpu, act, b, seq, targets, matrices, loss_mode(cfg, on_gpu) != "plain")
+    return _Step(cfg, s, k, gpu, on_gpu, act, b, seq, targets, matrices, loss_mode(cfg, on_gpu))
 
 
 def _base_weights(step: _Step) -> float:
@@ -368,10 +373,14 @@ def _architecture_tensors(step: _Step) -> float:
 def _loss(step: _Step) -> float:
     s, act, tokens = step.s, step.act, step.tokens
     # Liger: chunks of next_pow2(tokens / ceil(vocab / hidden)) rows of logits, computed and consumed in turn; the
-    # project's loss takes half that chunk at up to 6 bytes a logit (chunked_loss.chunk_rows), under this count
+    # project's loss takes half that chunk (or more, chunked_loss.chunk_rows) at up to 6 bytes a logit
     if step.chunked:
         chunk = 1 << max(0, math.ceil(math.log2(math.ceil(tokens / math.ceil(s.vocab / s.hidden)))))
-        return LOSS_H * tokens * s.hidden * act + 2 * min(chunk, tokens) * s.vocab * act
+        logits = 2 * min(chunk, tokens) * s.vocab * act
+        if step.loss == "chunked-torch":
+            rows = chunked_loss.chunk_rows(tokens, s.vocab, s.hidden, step.gpu["loss_chunk_logits"])
+            logits = max(logits, 6 * min(rows, tokens) * s.vocab)
+        return LOSS_H * tokens * s.hidden * act + logits
     return LOSS_H * tokens * s.hidden * act + step.k["logits"] * tokens * s.vocab
 
 

@@ -40,7 +40,7 @@ def build_model(cfg: RunConfig, longest: int | None = None, settings: kernels.Se
     kernels.use_liger(model, loss=s.cross_entropy == "chunked", kernels=s.fused_kernels,
                       forced=cfg.training.cross_entropy == "chunked" or cfg.training.fused_kernels == "on")
     if s.cross_entropy == "chunked-torch":
-        chunked_loss.use(model)
+        chunked_loss.use(model, s.loss_chunk_logits)
         print("train: loss: the project's chunked cross-entropy (no tokens x vocab logits; Liger's fused one is not "
               "there for this family or machine)")
     expert_lora.use_nf4_stacks(model)   # Liger binds its fused MoE forward to the experts, which reads 16-bit stacks only
