@@ -41,7 +41,7 @@ from stages.config import RunConfig
 from stages.errors import DiskFull, MissingPackage, RunError, UserError
 from stages.export import convert as gguf_convert
 from stages.export import imatrix, llamacpp, llamacpp_process, vocab
-from stages.model.directory import config_json, resolve_model_dir
+from stages.model.directory import config_json, resolve_model_dir, vocab_rows
 from stages.quants import OUTPUT_BITS, OUTPUT_FALLBACK_BITS, TYPES
 from stages.train import tracking
 
@@ -112,7 +112,7 @@ def served_tokenizer(cfg: RunConfig, tokenizer, gguf: Path, model_dir: Path) -> 
     texts (held-out and training samples in the chat template, and the converter's own probe text where the
     pre-tokenizer is named from tokenizer.json) equal the HF tokenizer's."""
     info = llamacpp.read_gguf(gguf)
-    rows = config_json(model_dir).get("vocab_size")
+    rows = vocab_rows(model_dir)
     what = f"the GGUF vocabulary llama.cpp's converter makes from {model_dir}"
     vocab.check_metadata(info, tokenizer, rows, what, model_dir)
     texts = [data.chat_text(s, tokenizer) for s in _ordinary(data.held_out(cfg, 2 * SAMPLE_TEXTS), tokenizer)[:SAMPLE_TEXTS]]

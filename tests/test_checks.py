@@ -413,3 +413,14 @@ def test_a_missing_package_is_an_install_problem_not_a_bug():
     user = errors.as_user_error(e)
     assert isinstance(user, errors.MissingPackage) and "llama-cpp-python" in str(user) and "bash scripts/install.sh" in str(user)
     assert errors.as_user_error(ModuleNotFoundError("No module named 'yaml'", name="yaml")) is None  # anything else stays a bug
+
+
+def test_the_vocabulary_rows_are_read_where_a_multimodal_checkpoint_keeps_them(tmp_path):
+    import json
+
+    from stages.model.directory import vocab_rows
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gemma3", "text_config": {"vocab_size": 262_208}}))
+    assert vocab_rows(tmp_path) == 262_208
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": 128_256}))
+    assert vocab_rows(tmp_path) == 128_256

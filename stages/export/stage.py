@@ -37,7 +37,7 @@ from stages.errors import MissingInput
 from stages.export import convert, fidelity, imatrix, llamacpp, naming, quant_types, vocab
 from stages.export.llamacpp_process import LlamaProcess
 from stages.memory import MemoryReport
-from stages.model.directory import config_json, resolve_model_dir
+from stages.model.directory import resolve_model_dir, vocab_rows
 from stages.model.load import load_tokenizer
 
 IMATRIX_FILE = "imatrix.gguf"
@@ -114,7 +114,7 @@ def run(cfg: RunConfig, merged_dir: Path, out_dir: Path) -> ExportResult:
         converted = convert.convert(meter, converter, merged_dir, base, cfg.export.outtype, source=model_dir,
                                     metadata=out_dir / NAMES_FILE)
         lap(f"convert_{cfg.export.outtype}")
-        rows = config_json(merged_dir).get("vocab_size")
+        rows = vocab_rows(merged_dir)
         info = llamacpp.read_gguf(base)
         checks = {"base": vocab.check_metadata(info, tokenizer, rows, base.name, model_dir),
                   "names": naming.check(info, names, base.name)}

@@ -51,6 +51,18 @@ def config_json(model_dir: Path | str) -> dict:
     return json.loads(config_text(model_dir))
 
 
+def language_config(model_dir: Path | str) -> dict:
+    """config.json's language-model part: a multimodal checkpoint keeps it under text_config (its vocab_size, token
+    ids), a text-only one at the top."""
+    config = config_json(model_dir)
+    return config.get("text_config") or config
+
+
+def vocab_rows(model_dir: Path | str) -> int | None:
+    """The rows of the model's token embedding as config.json gives them (vocab_size), None where it does not."""
+    return language_config(model_dir).get("vocab_size")
+
+
 HF_DIRECTORY = "the Hugging Face model directory (config.json, *.safetensors and the tokenizer files)"
 
 

@@ -16,7 +16,7 @@ import torch
 
 from stages.errors import ConfigError, ModelError
 from stages.model import architecture
-from stages.model.directory import config_json, config_text, resolve_model_dir
+from stages.model.directory import config_text, language_config, resolve_model_dir
 from stages.model.experts import lora as expert_lora
 from stages.model.experts import nf4 as expert_nf4
 
@@ -95,8 +95,7 @@ def special_token_problem(tok, model_dir: Path) -> str | None:
     """Why the tokenizer's special tokens cannot train and serve this model: no EOS (answers that never end), an id past
     the embedding table (an IndexError at step 1), or config.json naming another EOS/BOS than the tokenizer (generation
     stops at one token, training teaches the other); None when they agree."""
-    config = config_json(model_dir)
-    config = config.get("text_config") or config  # a multimodal checkpoint keeps the language model's ids there
+    config = language_config(model_dir)
     rows = config.get("vocab_size")
     files = f"{Path(model_dir) / 'tokenizer_config.json'}"
     if tok.eos_token is None or tok.eos_token_id is None:
