@@ -351,16 +351,14 @@ def _silu_classes() -> tuple[type, ...]:
     return (torch.nn.SiLU,) + tuple(c for c in (getattr(activations, "SiLUActivation", None),) if c is not None)
 
 
-_SILU = _silu_classes()
-
-
 def llama_like(model) -> tuple[list, list, bool]:
     """The RMSNorm and SwiGLU MLP modules of `model` whose forward is Llama's line for line (a SiLU activation), and
     whether its family's RoPE function is Llama's and not yet replaced."""
     from transformers.models.llama import modeling_llama as llama
 
+    silu = _silu_classes()
     norms = [m for m in model.modules() if _same_forward(type(m), llama.LlamaRMSNorm)]
-    mlps = [m for m in model.modules() if _same_forward(type(m), llama.LlamaMLP) and isinstance(getattr(m, "act_fn", None), _SILU)]
+    mlps = [m for m in model.modules() if _same_forward(type(m), llama.LlamaMLP) and isinstance(getattr(m, "act_fn", None), silu)]
     stock = getattr(sys.modules.get(type(model).__module__), "apply_rotary_pos_emb", None)
     return norms, mlps, stock is not None and not getattr(stock, "liger", False) and _same_source(stock, llama.apply_rotary_pos_emb)
 
