@@ -1,4 +1,4 @@
-"""What the families beyond the end-to-end set get right without a training run (bench/moe_families: a CPU sweep of
+"""What the families beyond the end-to-end set get right without a training run (bench/released_configs/families.py: a CPU sweep of
 41 families through every stage): the attention each is trained with is the attention it is exported with, its
 linear modules and experts are found or the run is refused by name, the merged config keeps the release's
 architecture name, llama.cpp's per-layer settings and multi-token-prediction layers are handled."""

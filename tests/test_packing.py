@@ -263,7 +263,7 @@ def test_packed_and_padded_reach_the_same_loss_after_the_same_samples(tmp_path):
 
 def test_preflight_sizes_a_packed_run_by_an_eval_micro_batch_fuller_than_any_it_trains(tmp_path):
     """Eval packs the held-out rows end to end to the training budget; a short run's plan can hold no micro-batch as
-    full (bench/moe_capped: OLMoE and Granite-MoE packed ran out in the eval at step 10, under the figure of a
+    full (bench/gpu_figure's MoE rows: OLMoE and Granite-MoE packed ran out in the eval at step 10, under the figure of a
     probe sized by the training plan alone). The probe's rows are then the eval micro-batch's, and the report says so."""
     from stages.model.load import load_tokenizer
     from stages.train import eval_loss

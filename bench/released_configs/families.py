@@ -1,7 +1,7 @@
 """Which decoder families (MoE and dense) the pipeline breaks on, beyond tests/test_families.py's.
 
-    python bench/moe_families/sweep.py FAMILY            # one family, in this process: one JSON line on stdout
-    python bench/moe_families/sweep.py all --out F.json  # every family in NEW, each in its own subprocess (timeout)
+    python bench/released_configs/families.py FAMILY         # one family, in this process: one JSON line on stdout
+    python bench/released_configs/families.py all --out F.json  # every family in NEW, each in its own subprocess (timeout)
 
 A tiny random-init model per family is built with tests.test_families.tiny_model (its FAMILIES/SHAPE extended by
 NEW below) and run through preflight -> train -> merge -> export -> smoke with tests.test_families._config, i.e. the
@@ -141,7 +141,7 @@ STAGES = ("build", "preflight", "train", "merge", "export", "smoke")
 def _innermost_repo_frame(tb) -> str | None:
     frames = traceback.extract_tb(tb)
     repo = [f for f in frames if f.filename.startswith(str(REPO)) and "/.venv/" not in f.filename
-            and "/bench/moe_families/" not in f.filename and "/tests/" not in f.filename]
+            and "/bench/released_configs/families.py" not in f.filename and "/tests/" not in f.filename]
     f = repo[-1] if repo else None
     return f"{Path(f.filename).relative_to(REPO)}:{f.lineno} ({f.name})" if f else None
 
