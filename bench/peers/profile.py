@@ -1,11 +1,6 @@
-"""The profiled steady step of bench/peers/run.py's `--profile` (profile_steps): trainer.train() of two optimizer steps,
-the second under torch.profiler; the GPU time by kernel kind (matmuls, dequantization, attention, routing and index
-ops, copies, ...), the GPU's busy share of the wall time, the host's top ops, where the compute stream sat idle
-(`streams`) and, with `stacks`, the Python stacks of every op that made the host wait for the GPU (`host_syncs`).
-
-Moved here from bench/moe_stage_speed/run.py (profiled_after_first, SyncStacks, streams) and bench/moe_profile/run.py
-(KINDS, kind, summary), both in git history (bench/README.md, "Removed (superseded)").
-"""
+"""The profiled steady step of run.py's `--profile` (profile_steps): GPU time by kernel kind, the GPU's busy share, the
+host's top ops, the compute stream's idle time by cause and, with `stacks`, the host syncs' Python stacks. Moved from
+bench/moe_stage_speed/run.py and bench/moe_profile/run.py (git history, bench/README.md "Removed (superseded)")."""
 
 from __future__ import annotations
 

@@ -33,7 +33,7 @@ from transformers import TrainerCallback
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from bench.gpu_figure.preflight_grid import make_checkpoint  # noqa: E402
+from bench.gpu_figure.random_checkpoints import make_checkpoint  # noqa: E402
 from stages import train  # noqa: E402
 from stages.config import RunConfig  # noqa: E402
 from stages.memory import GIB  # noqa: E402
