@@ -39,8 +39,8 @@ FAMILIES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral":
 
 @functools.cache
 def _grid():
-    """bench/gpu_figure/preflight_grid.py, whose make_checkpoint writes random-init checkpoints with save_pretrained."""
-    spec = importlib.util.spec_from_file_location("preflight_grid", REPO / "bench" / "gpu_figure" / "preflight_grid.py")
+    """bench/gpu_figure/random_checkpoints.py, whose make_checkpoint writes random-init checkpoints with save_pretrained."""
+    spec = importlib.util.spec_from_file_location("random_checkpoints", REPO / "bench" / "gpu_figure" / "random_checkpoints.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -22,7 +22,7 @@ def cfg(**sections) -> RunConfig:
     raw = {"model": {"name_or_path": "x", "torch_dtype": "bfloat16"}, "data": {"train_file": "x"}, "handoff": {"model_name": "t"},
            "lora": {"r": 2, "target_modules": ["q_proj", "v_proj"], "lora_dropout": 0.0},
            "training": {"per_device_train_batch_size": 1, "gradient_checkpointing": True, "cross_entropy": "plain",
-                        # the recipe the estimate's coefficients were fitted on (bench/gpu_figure/preflight_grid.py)
+                        # the recipe the estimate's coefficients were fitted on (bench/gpu_figure/preflight_grid.py's grid, in git history at 72c6a44)
                         "offload_activations": "off", "offload_embeddings": "off", "tiled_mlp": "off", "optim": "adamw_torch",
                         "packing": "off"}}
     for k, v in sections.items():

@@ -28,7 +28,7 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from bench.gpu_figure.preflight_grid import SHAPES, make_checkpoint  # noqa: E402
+from bench.gpu_figure.random_checkpoints import SHAPES, make_checkpoint  # noqa: E402
 from stages import export, memory, merge, smoke  # noqa: E402  # noqa: E402
 from stages.config import RunConfig  # noqa: E402
 

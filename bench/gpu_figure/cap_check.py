@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -29,56 +28,19 @@ ROWS = [
     ("mistral-7b", "nf4", 16384, 1, 7.383, 8.451),
 ]
 FACTORS = (1.03, 0.97)
-# --at-estimate: the probe capped at the preflight estimate itself and at 0.97 x it (shape, quant, seq, micro-batch)
-FACTORS_AT_ESTIMATE = [float(x) for x in os.environ.get("CAP_FACTORS", "1.0 0.97").split()]
-ONLY = os.environ.get("CAP_ROWS")  # e.g. "1 2 4": indices into AT_ESTIMATE
-AT_ESTIMATE = [
-    ("smollm2-360m", "bf16", 16384, 1),
-    ("smollm2-360m", "bf16", 4096, 2),
-    ("qwen2.5-0.5b", "nf4", 65536, 1),
-    ("qwen2.5-1.5b", "nf4", 16384, 1),
-    ("qwen2.5-1.5b", "bf16", 4096, 4),
-    ("llama-3b", "nf4", 16384, 1),
-]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--at-estimate", action="store_true", help="cap at the estimate (AT_ESTIMATE rows) instead")
     a = ap.parse_args()
     from memory_grid import run_config
-    from preflight_grid import make_checkpoint
+    from random_checkpoints import make_checkpoint
 
     from stages import memory, preflight
-    from stages.train import kernels, memory_model
     from stages.train import model as lora_model
 
     out = []
-    if a.at_estimate:
-        import json as _json
-
-        for n, (shape, quant, seq, mb) in enumerate(AT_ESTIMATE):
-            if ONLY and str(n) not in ONLY.split():
-                continue
-            model_dir = make_checkpoint(shape, Path("/tmp/bench-models"))
-            cfg = run_config(model_dir, quant, 64, ["q_proj", "v_proj", "o_proj"], seq, mb)
-            shapes = memory_model.Shapes.from_config(_json.loads((model_dir / "config.json").read_text()))
-            est = memory_model.estimate(cfg, shapes, seq, on_gpu=True).total_gib
-            model = lora_model.build_model(cfg)
-            kernels.tile_mlp(model, on=kernels.settings(cfg).tiled_mlp)
-            for f in FACTORS_AT_ESTIMATE:
-                t0 = time.perf_counter()
-                p = preflight.probe(cfg, seq, est * f, Path("/tmp/cap-probe"), model=model)
-                row = {"shape": shape, "quant": quant, "seq": seq, "micro_batch": mb, "estimate_gib": est, "cap_gib": round(est * f, 3),
-                       "cap_over_estimate": f, "ok": p.ok, "peak_reserved_gib": p.peak_reserved_gib, "peak_alloc_gib": p.peak_alloc_gib,
-                       "error": p.error, "seconds": round(time.perf_counter() - t0, 1)}
-                print(json.dumps(row), flush=True)
-                out.append(row)
-                a.out.write_text(json.dumps(out, indent=1))
-            del model
-            memory.free_gpu()
-        return
     for shape, quant, seq, mb, alloc, reserved in ROWS:
         model_dir = make_checkpoint(shape, Path("/tmp/bench-models"))
         cfg = run_config(model_dir, quant, 64, ["q_proj", "v_proj", "o_proj"], seq, mb)

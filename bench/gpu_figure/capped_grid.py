@@ -3,7 +3,6 @@
     python3 bench/gpu_figure/capped_grid.py need --rows F1 F2 ... --out $OUT/need.json --parallel 4 --max-seconds 420
     python3 bench/gpu_figure/capped_grid.py validate --rows all --out $OUT/validate.json --parallel 4 --max-seconds 480
     python3 bench/gpu_figure/capped_grid.py pages --rows all --out $OUT/pages.json --parallel 8 --max-seconds 480
-    python3 bench/gpu_figure/capped_grid.py repeat --rows F10 F17 F18 H8 H10 --out $OUT/repeat.json --parallel 1 --max-seconds 480
     python3 bench/gpu_figure/capped_grid.py bracket --rows H12 F10 F17 F18 H8 H10 F13 H5 H15 H4 --out $OUT/bracket.json --parallel 10 --max-seconds 440
     python3 bench/gpu_figure/capped_grid.py spread --rows F18 F10 F17 H8 H15 F13 --from bench/gpu_figure/results/bracket_run3.json --repeats 3 \
         --out $OUT/spread.json --parallel 14 --max-seconds 300
@@ -32,9 +31,6 @@ instead of being recovered.
             boundary (--from a bracket JSON: 1.5% under its largest failing cap, between, 1.5% over its smallest
             completing one) or at --caps: whether the need is one number at all. --set KEY=VALUE changes every
             run's config (a control: training.offload_activations=off).
-  repeat    the probe alone, three times in one process: how far its bisected step need moves between tries
-            (2-4.6% between device calls on the small rows); run with --parallel 1 and 8 to see whether a shared
-            GPU moves it.
 
 Rows run `--parallel` at a time, one process each (their own CUDA context and allocator); a row's line is
 appended to <out>.jsonl as it ends, so a call stopped by its time limit keeps what it measured.
@@ -59,7 +55,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench" / "gpu_figure"))
 
 QVO = ["q_proj", "v_proj", "o_proj"]
-# Shapes of real models (config.json values), beside bench/gpu_figure/preflight_grid.py's SHAPES.
+# Shapes of real models (config.json values), beside bench/gpu_figure/random_checkpoints.py's SHAPES.
 MOE_IDS = dict(bos_token_id=1, eos_token_id=2, pad_token_id=0)
 NEW_SHAPES = {
     # q/k-norm attention, tied 152k table, 2:1 GQA, head_dim 128 (Qwen3-1.7B)
@@ -271,14 +267,14 @@ BELOW = 0.95  # validate: the stage capped at this fraction of the estimate must
 
 
 def shapes() -> dict:
-    from preflight_grid import SHAPES
+    from random_checkpoints import SHAPES
 
     return SHAPES | NEW_SHAPES
 
 
 def checkpoint(shape: str, root: Path) -> Path:
     """The shape's checkpoint (written once); a SPARSE one's load, in this process, randomizes the weights it reads."""
-    from preflight_grid import make_checkpoint
+    from random_checkpoints import make_checkpoint
 
     if shape in SPARSE:
         import sparse_checkpoint
@@ -449,7 +445,7 @@ def run_row(mode: str, name: str, work: Path, cpu: bool, deadline: float) -> dic
     model_dir = checkpoint(shape, work / "models")
     train_file, held = make_data(work, max_length, mb, packing == "on")
     row_dir = work / "rows" / name
-    cfg = row_config(name, model_dir, train_file, held, row_dir, cpu, probe=mode in ("pages", "repeat", "bracket"))
+    cfg = row_config(name, model_dir, train_file, held, row_dir, cpu, probe=mode in ("pages", "bracket"))
     spec = {"name": name, "shape": shape, "quant": quant, "packing": packing, "max_length": max_length, "micro_batch": mb,
             "r": r, "targets": targets, "held_out": name.startswith("H"), "config_json": json.loads((model_dir / "config.json").read_text())}
     pre = preflight.run(cfg, row_dir / "preflight", train_only=True)  # the train stage only: no export tools here
@@ -486,12 +482,6 @@ def run_row(mode: str, name: str, work: Path, cpu: bool, deadline: float) -> dic
                 need = hi
         need, fail = bisect_cap(go, lo, hi, need, fail, 5, deadline)
         return spec | {"trials": trials, "run_need_gib": need and round(need, 4), "run_fail_gib": fail and round(fail, 4)}
-    if mode == "repeat":  # the probe's own spread: the same bisection again, same process, same data
-        needs = [pre.probe and pre.probe.step_need_gib]
-        while len(needs) < 3 and time.time() < deadline:
-            again = preflight.run(cfg, row_dir / f"preflight-{len(needs)}", train_only=True).probe
-            needs.append(again and again.step_need_gib)
-        return spec | {"trials": trials, "step_needs_gib": needs}
     if mode == "pages":  # the GPU figure: the probe's step need, scaled (PreflightResult.need_gib), checked like the estimate
         p = pre.probe
         spec |= {"need_gib": pre.need_gib, "probe_pages_gib": p and p.pages_gib, "probe_build_pages_gib": p and p.build_pages_gib,
@@ -516,7 +506,7 @@ def run_row(mode: str, name: str, work: Path, cpu: bool, deadline: float) -> dic
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=["need", "validate", "pages", "repeat", "bracket", "spread"])
+    ap.add_argument("mode", choices=["need", "validate", "pages", "bracket", "spread"])
     ap.add_argument("--from", dest="source", type=Path, help="spread: the bracket JSON whose boundaries it tests")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--caps", type=float, nargs="+", help="spread: these caps (GiB) for every row instead of --from's")

@@ -30,7 +30,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench" / "gpu_figure"))
 
 from memory_grid import run_config  # noqa: E402
-from preflight_grid import SHAPES  # noqa: E402
+from random_checkpoints import SHAPES  # noqa: E402
 
 from stages.train import memory_model  # noqa: E402
 

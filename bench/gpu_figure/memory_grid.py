@@ -120,7 +120,7 @@ def measure(cfg, model, seq: int, vocab: int, steps: int) -> dict:
 def run_group(index: int, out: Path, deadline: float) -> None:
     """One model build and its rows, appended to `out` (JSON lines) as they finish."""
     import torch
-    from preflight_grid import make_checkpoint
+    from random_checkpoints import make_checkpoint
 
     from stages import memory, preflight
     from stages.memory import GIB

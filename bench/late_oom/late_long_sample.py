@@ -128,7 +128,7 @@ def main() -> None:
     if a.tiny:
         model_dir, n, short, long_len, budget, steps = REPO / "assets" / "tiny-llama", 40, (8, 16), 200, 0.025, 20
     else:
-        from preflight_grid import make_checkpoint
+        from random_checkpoints import make_checkpoint
 
         model_dir = make_checkpoint("qwen2-7b", Path("/tmp/bench-models"))
         n, short, long_len, budget, steps = 400, (512, 1024), 12288, 24.0, 200

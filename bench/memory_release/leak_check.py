@@ -1,6 +1,6 @@
 """Does memory return after a model is built, trained and freed? (issue 12: the tied-embedding leak)
 
-    python3 bench/memory_release/leak_check.py --out $OUT/leak_check.json [--cases qwen2.5-1.5b:lora mistral-7b:qlora] [--diagnose]
+    python3 bench/memory_release/leak_check.py --out $OUT/leak_check.json [--cases qwen2.5-1.5b:lora mistral-7b:qlora]
     python3 bench/memory_release/leak_check.py --out $OUT/leak_check.json --cases --probe-then-train qwen2.5-1.5b:qlora mistral-7b:qlora
 
 For each shape (tied and untied embeddings) and each of LoRA / QLoRA, with every `auto`
@@ -8,10 +8,6 @@ training default on: three times build the stage's model (stages.train.model.bui
 two optimizer steps through stages.train.hf_trainer.make_trainer, free it the way the stages do
 (stages.train.hf_trainer.release + memory.free_gpu), and record what torch still has allocated.
 Pass: allocated after each free within 16 MiB of the figure before the first build.
-
---diagnose records every allocation of the first cycle (torch.cuda.memory._record_memory_history)
-and, after the free, lists the blocks still allocated with the Python frames that allocated
-them, plus the live CUDA tensors the garbage collector can see and what refers to them.
 
 Then --probe-then-train: the flow's sequence in one process, preflight.run (scan, estimate,
 probe) then train.run on a synthetic long-tailed chat dataset whose longest sample fills
@@ -21,12 +17,10 @@ max_length; training's peak reserved against the probe's.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import random
 import sys
 import time
-from collections import Counter
 from pathlib import Path
 
 import torch
@@ -35,7 +29,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench" / "gpu_figure"))
 
-from preflight_grid import make_checkpoint  # noqa: E402
+from random_checkpoints import make_checkpoint  # noqa: E402
 
 from stages import memory, train  # noqa: E402
 from stages.config import RunConfig  # noqa: E402
@@ -72,68 +66,6 @@ def rows(vocab: int, seq: int, n: int) -> list[dict]:
     return out
 
 
-def census(limit: int = 6) -> list[dict]:
-    """Live CUDA tensors the garbage collector sees, largest groups first, with a referrer chain."""
-    groups: dict = {}
-    _OWN.clear()
-    _OWN.add(id(groups))
-    for o in gc.get_objects():
-        try:
-            if isinstance(o, torch.Tensor) and o.is_cuda:
-                _OWN.add(id(groups.setdefault((tuple(o.shape), str(o.dtype), type(o).__name__), [])))
-                groups[(tuple(o.shape), str(o.dtype), type(o).__name__)].append(o)
-        except Exception:  # half-built objects
-            continue
-    out = []
-    for (shape, dtype, kind), objs in sorted(groups.items(), key=lambda kv: -sum(t.numel() * t.element_size() for t in kv[1]))[:limit]:
-        out.append({"shape": shape, "dtype": dtype, "type": kind, "count": len(objs),
-                    "mib": round(sum(t.numel() * t.element_size() for t in objs) / MIB, 1), "referrers": chain(objs[0])})
-    return out
-
-
-def chain(obj, depth: int = 6) -> list[str]:
-    """A path of referrers up from `obj` (skipping this function's own frames and lists)."""
-    path, seen = [], {id(obj)}
-    for _ in range(depth):
-        refs = [r for r in gc.get_referrers(obj) if id(r) not in seen and not _ours(r)]
-        if not refs:
-            break
-        obj = refs[0]
-        seen.add(id(obj))
-        if isinstance(obj, dict):
-            path.append("dict keys " + ", ".join(map(str, list(obj)[:8])))
-        elif hasattr(obj, "f_code"):
-            path.append(f"frame {obj.f_code.co_qualname} ({obj.f_code.co_filename}:{obj.f_lineno})")
-        elif callable(obj) and hasattr(obj, "__qualname__"):
-            path.append(f"function {obj.__qualname__}")
-        else:
-            path.append(type(obj).__module__ + "." + type(obj).__qualname__)
-    return path
-
-
-_OWN: set[int] = set()  # census's own containers
-
-
-def _ours(r) -> bool:
-    return id(r) in _OWN or (hasattr(r, "f_code") and r.f_code.co_filename == __file__) or (isinstance(r, list) and len(r) > 1000)
-
-
-def leaked_blocks(snapshot: dict, limit: int = 8) -> list[dict]:
-    """Blocks still allocated after the free, grouped by the frames that allocated them."""
-    by_site: Counter = Counter()
-    count: Counter = Counter()
-    for seg in snapshot["segments"]:
-        for b in seg["blocks"]:
-            if b["state"] != "active_allocated":
-                continue
-            frames = [f"{Path(f['filename']).name}:{f['line']} {f['name']}" for f in b.get("frames", [])
-                      if f["filename"].endswith(".py")][:8]
-            site = " <- ".join(frames) or "(no Python frame recorded)"
-            by_site[site] += b["size"]
-            count[site] += 1
-    return [{"mib": round(n / MIB, 1), "blocks": count[s], "allocated_at": s} for s, n in by_site.most_common(limit)]
-
-
 def cycle(cfg: RunConfig, vocab: int, seq: int, out: Path) -> dict:
     t0 = time.perf_counter()
     model = lora_model.build_model(cfg)
@@ -148,7 +80,7 @@ def cycle(cfg: RunConfig, vocab: int, seq: int, out: Path) -> dict:
             "seconds": round(time.perf_counter() - t0, 1)}
 
 
-def leak_case(shape: str, qlora: bool, seq: int, diagnose: bool) -> dict:
+def leak_case(shape: str, qlora: bool, seq: int) -> dict:
     model_dir = make_checkpoint(shape, Path("/tmp/bench-models"))
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     cfg = config(model_dir, qlora, seq, 2)
@@ -156,15 +88,7 @@ def leak_case(shape: str, qlora: bool, seq: int, diagnose: bool) -> dict:
     before = allocated()
     cycles = []
     for i in range(3):
-        record = diagnose and CUDA and i == 0
-        if record:
-            torch.cuda.memory._record_memory_history(max_entries=1_000_000)
         c = cycle(cfg, vocab, seq, Path("/tmp/leak-train"))
-        if record:
-            if c["after_free_mib"] - before / MIB > 16:
-                c["leaked_blocks"] = leaked_blocks(torch.cuda.memory._snapshot())
-                c["live_tensors"] = census()
-            torch.cuda.memory._record_memory_history(enabled=None)
         cycles.append(c)
         print(json.dumps({"shape": shape, "qlora": qlora, "cycle": i} | {k: v for k, v in c.items() if "mib" in k}), flush=True)
     # The first build also allocates what a CUDA process keeps once (cuBLAS workspaces: 32 MiB per stream
@@ -225,7 +149,6 @@ def main() -> None:
     ap.add_argument("--cases", nargs="*", default=["qwen2.5-1.5b:lora", "qwen2.5-1.5b:qlora", "mistral-7b:lora", "mistral-7b:qlora"],
                     help="SHAPE:MODE[+MODE...]; each case in a fresh process, its modes one after the other in it")
     ap.add_argument("--seq", type=int, default=1024)
-    ap.add_argument("--diagnose", action="store_true")
     ap.add_argument("--probe-then-train", nargs="*", default=[], metavar="SHAPE:MODE")
     ap.add_argument("--ptt-seq", type=int, default=4096)
     ap.add_argument("--ptt-steps", type=int, default=12)
@@ -236,7 +159,7 @@ def main() -> None:
         kind, shape, modes = a.child.split(":")
         for mode in modes.split("+"):
             try:
-                r = (leak_case(shape, mode == "qlora", a.seq, a.diagnose) if kind == "leak"
+                r = (leak_case(shape, mode == "qlora", a.seq) if kind == "leak"
                      else {"check": "probe_then_train"} | probe_then_train(shape, mode == "qlora", a.ptt_seq, 2, a.ptt_steps))
             except Exception as e:  # one case must not cost the others
                 import traceback
@@ -253,7 +176,7 @@ def main() -> None:
     for kind, cases in (("leak", a.cases), ("ptt", a.probe_then_train)):
         for case in cases:
             args = [sys.executable, __file__, "--out", str(a.out), "--child", f"{kind}:{case}", "--seq", str(a.seq),
-                    "--ptt-seq", str(a.ptt_seq), "--ptt-steps", str(a.ptt_steps), *(["--diagnose"] if a.diagnose else [])]
+                    "--ptt-seq", str(a.ptt_seq), "--ptt-steps", str(a.ptt_steps)]
             subprocess.run(args)
     rows = [json.loads(x) for x in lines.read_text().splitlines()] if lines.is_file() else []
     a.out.write_text(json.dumps({"device": torch.cuda.get_device_name() if CUDA else "cpu", "torch": torch.__version__,

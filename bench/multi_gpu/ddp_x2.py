@@ -65,7 +65,7 @@ def main() -> None:
     a = ap.parse_args()
     t0 = time.perf_counter()
     if a.model is None:
-        from bench.gpu_figure.preflight_grid import make_checkpoint
+        from bench.gpu_figure.random_checkpoints import make_checkpoint
 
         a.model = str(make_checkpoint("qwen2-7b", Path("/tmp/bench-models")))
     a.work.mkdir(parents=True, exist_ok=True)

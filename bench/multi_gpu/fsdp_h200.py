@@ -69,7 +69,7 @@ def run_row(row: str, model_dir: Path) -> dict:
 
 def reestimate(results: Path, out: Path) -> None:
     """The run's measured peaks against the estimate as memory_model computes it now (CPU only)."""
-    from bench.gpu_figure.preflight_grid import SHAPES
+    from bench.gpu_figure.random_checkpoints import SHAPES
     from bench.packing_speed.packing_r7 import samples
     from stages.train import memory_model
 
@@ -95,7 +95,7 @@ def main() -> None:
     a = ap.parse_args()
     if a.reestimate:
         return reestimate(a.reestimate, a.out)
-    from bench.gpu_figure.preflight_grid import make_checkpoint
+    from bench.gpu_figure.random_checkpoints import make_checkpoint
 
     model_dir = make_checkpoint("qwen2-7b", Path("/tmp/bench-models"))
     if a.row:

@@ -88,7 +88,7 @@ def main() -> None:
     QLORA[0] = a.qlora
     import torch
     from capped_grid import shapes, trial
-    from preflight_grid import make_checkpoint
+    from random_checkpoints import make_checkpoint
 
     model_dir = make_checkpoint(a.shape, a.work / "models", shapes())
     data = a.work / "data" / "train.jsonl"

@@ -328,7 +328,7 @@ def main() -> None:
     ap.add_argument("--row", help=argparse.SUPPRESS)  # internal: run one row in this process
     ap.add_argument("--row-timeout", type=float, default=240)
     a = ap.parse_args()
-    from bench.gpu_figure.preflight_grid import make_checkpoint
+    from bench.gpu_figure.random_checkpoints import make_checkpoint
 
     model_dir = make_checkpoint(SHAPE, a.models, TINY if SHAPE in TINY else None)
     if a.row:
