@@ -400,7 +400,7 @@ def profile_steps(cfg, model, dataset, collator, settings, args) -> dict:
 
     from stages.train.hf_trainer import make_trainer
 
-    spec = importlib.util.spec_from_file_location("peers_profile", ROOT / "bench" / "peers" / "profile.py")
+    spec = importlib.util.spec_from_file_location("peers_step_profile", ROOT / "bench" / "peers" / "step_profile.py")
     msr = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(msr)
     cfg = cfg.model_copy(update={"training": cfg.training.model_copy(update={"max_steps": 2})})

@@ -1,6 +1,7 @@
 """The profiled steady step of run.py's `--profile` (profile_steps): GPU time by kernel kind, the GPU's busy share, the
 host's top ops, the compute stream's idle time by cause and, with `stacks`, the host syncs' Python stacks. Moved from
-bench/moe_stage_speed/run.py and bench/moe_profile/run.py (git history, bench/README.md "Removed (superseded)")."""
+bench/moe_stage_speed/run.py and bench/moe_profile/run.py (git history, bench/README.md "Removed (superseded)"). Not named
+profile.py: run.py's folder comes first on its sys.path, where that name hides the standard library's (cProfile imports it)."""
 
 from __future__ import annotations
 
