@@ -3,8 +3,8 @@
 A packed step (packed_step: samples) trains the same samples however they are cut into micro-batches, so its width is
 a matter of speed and memory only. On a GPU a micro-batch of a few thousand tokens is bound by the host launching its
 kernels (about 22,000 per micro-batch at 48 MoE layers), not by the GPU: a step of 16 x 2048 tokens trained 2.1x
-faster in two 16,384-token micro-batches than in eight of 4,096 (bench/moe_profile and moe_stage_speed, in git history:
-docs/evidence/2026-12-08-moe-benches-folded.md).
+faster in two 16,384-token micro-batches than in eight of 4,096 (bench/train_speed/results/moe_widen/; the profiles, of
+bench/moe_stage_speed in git history: docs/evidence/2026-12-08-moe-benches-folded.md).
 So where training.max_tokens_per_batch is left null, the preflight and the train stage both widen the default budget
 (batches.token_budget) to the widest of: a step's samples laid end to end, the cap the dense 7B measured fastest
 (batches.PACKED_BUDGET_DEFAULT_MAX), halvings of it; the first whose analytic estimate (stages/train/memory_model.py, never
