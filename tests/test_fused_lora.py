@@ -5,6 +5,7 @@ train stage's model uses it by default."""
 from __future__ import annotations
 
 import copy
+import importlib.util
 
 import pytest
 import torch
@@ -143,3 +144,26 @@ def test_a_family_liger_has_no_kernels_for_gets_llamas_where_its_modules_are_lla
         "gemma", vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16))
     assert kernels.llama_like(gemma)[1] == []
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("liger_kernel") is None,
+                    reason="Liger's kernels run on a CUDA GPU (bench/peers/loss.sh runs this there)")
+def test_llamas_kernels_on_a_family_liger_lacks_compute_what_its_modules_compute():
+    torch.manual_seed(0)
+    config = AutoConfig.for_model("qwen2_moe", vocab_size=4096, hidden_size=512, intermediate_size=1024,
+                                  moe_intermediate_size=256, shared_expert_intermediate_size=1024, num_experts=8,
+                                  num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4)
+    stock = AutoModelForCausalLM.from_config(config).to("cuda", torch.bfloat16).train()
+    fused = copy.deepcopy(stock)
+    ids = torch.randint(0, config.vocab_size, (2, 256), device="cuda")
+    out = {}
+    for name, model in (("stock", stock), ("liger", fused)):
+        if name == "liger":   # after the stock pass: the family's RoPE function is replaced for the whole module
+            assert kernels.llama_modules(fused) == {"rms_norm": 5, "swiglu": 2, "rope": 1}
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        out[name] = (loss.item(), {n: p.grad.float() for n, p in model.named_parameters() if p.grad is not None})
+    (a, ga), (b, gb) = out["stock"], out["liger"]
+    assert abs(a - b) < 2e-3 * abs(a) and ga.keys() == gb.keys()
+    for n in ga:   # bf16 rounding apart
+        assert (gb[n] - ga[n]).norm() <= 0.03 * ga[n].norm() + 1e-6, n

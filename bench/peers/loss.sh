@@ -9,7 +9,7 @@ RUN=${RUN:-l1} SHAPE=${SHAPE:-qwen1.5-moe-a2.7b} LAYERS=${LAYERS:-8}
 DIR=/tmp/peers/$SHAPE-$LAYERS
 PYTHONPATH=/tmp/site:$PWD python3 bench/peers/run.py make --shape "$SHAPE" --layers "$LAYERS" --dir "$DIR" >> "$OUT/log.txt" 2>&1
 echo "made at $((SECONDS - start)) s"
-PYTHONPATH=/tmp/site:$PWD python3 bench/peers/llama_modules_check.py 2>&1 | tail -1 | tee -a "$OUT/log.txt"
+PYTHONPATH=/tmp/site:$PWD python3 -m pytest -q -n0 -p no:cacheprovider tests/test_fused_lora.py -k "cuda or liger" 2>&1 | tail -2 | tee -a "$OUT/log.txt"
 tool stage 120 stage --shape "$SHAPE" --layers "$LAYERS" --dir "$DIR" --data full --profile full
 tool stage-narrow-loss 90 stage --shape "$SHAPE" --layers "$LAYERS" --dir "$DIR" --data full --loss narrow
 tool stage-stock-modules 90 stage --shape "$SHAPE" --layers "$LAYERS" --dir "$DIR" --data full --stock-modules
