@@ -14,4 +14,12 @@ tool stage 120 stage --shape "$SHAPE" --layers "$LAYERS" --dir "$DIR" --data ful
 tool stage-narrow-loss 90 stage --shape "$SHAPE" --layers "$LAYERS" --dir "$DIR" --data full --loss narrow
 tool stage-stock-modules 90 stage --shape "$SHAPE" --layers "$LAYERS" --dir "$DIR" --data full --stock-modules
 tool unsloth 200 unsloth --shape "$SHAPE" --layers "$LAYERS" --dir "$DIR" --data full
+# where time is left: on Qwen3-30B-A3B layers (Liger has its fused loss there, 128-row chunks), the project's loss in
+# the speed plan's chunks against Liger's (stage-own-loss vs stage-liger-loss, the defaults)
+if [ $((SECONDS - start)) -lt 360 ]; then
+  D2=/tmp/peers/qwen3-30b-a3b-6
+  PYTHONPATH=/tmp/site:$PWD python3 bench/peers/run.py make --shape qwen3-30b-a3b --layers 6 --dir "$D2" >> "$OUT/log.txt" 2>&1
+  tool stage-liger-loss 80 stage --shape qwen3-30b-a3b --layers 6 --dir "$D2" --data full
+  tool stage-own-loss 80 stage --shape qwen3-30b-a3b --layers 6 --dir "$D2" --data full --loss own
+fi
 finish
