@@ -123,3 +123,37 @@ def test_a_plan_with_the_cards_room_takes_chunks_the_output_layer_is_not_read_fo
         with torch.no_grad():
             torch.testing.assert_close(chunked(input_ids=ids, labels=ids).loss, stock(input_ids=ids, labels=ids).loss)
     assert seen == [chunked_loss.MIN_CHUNK_LOGITS, chunked_loss.WIDE_CHUNK_LOGITS]
+
+
+def test_under_autocast_the_chunks_compute_in_its_dtype_and_nothing_else_is_cast(monkeypatch):
+    # a Trainer's bf16 autocast over an fp32 residual stream: the output layer is cast to bf16 once, not for each
+    # chunk's two matmuls, and the chunks compute what the same loss computes on bf16 inputs outside autocast (on CUDA
+    # the softmaxes then read the 16-bit logits themselves: log_softmax's half-to-float kernel), near the fp32 loss
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Casts(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.shapes = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._to_copy.default:
+                self.shapes.append((tuple(args[0].shape), args[0].dtype, (kwargs or {}).get("dtype")))
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    monkeypatch.setattr(chunked_loss, "chunk_rows", lambda *_: 7)   # six chunks
+    hidden = torch.randn(40, 32, requires_grad=True)
+    weight = torch.randn(300, 32) * 0.2
+    targets = torch.randint(0, 300, (40,))
+    with torch.autocast("cpu", dtype=torch.bfloat16), Casts() as casts:
+        auto = chunked_loss._LinearCrossEntropy.apply(hidden, weight, None, targets, True, chunked_loss.MIN_CHUNK_LOGITS)
+    assert casts.shapes.count(((300, 32), torch.float32, torch.bfloat16)) == 1, casts.shapes
+    auto.backward()
+    h16 = hidden.detach().bfloat16().requires_grad_()
+    plain = chunked_loss._LinearCrossEntropy.apply(h16, weight.bfloat16(), None, targets, True, chunked_loss.MIN_CHUNK_LOGITS)
+    plain.backward()
+    assert auto.item() == plain.item() and hidden.grad.dtype == torch.float32
+    torch.testing.assert_close(hidden.grad, h16.grad.float())
+    exact = torch.nn.functional.cross_entropy(hidden.detach() @ weight.T, targets, reduction="sum")
+    assert abs(auto.item() - exact.item()) < 0.01 * exact.item()

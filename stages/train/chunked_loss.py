@@ -95,15 +95,25 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def forward(ctx, hidden, weight, bias, targets, grad_mode: bool, min_logits: int):
         # forward runs without grad mode: whether the caller's had it comes in `grad_mode`, what wants one from ctx
         want_h, want_w, want_b = (grad_mode and wanted for wanted in ctx.needs_input_grad[:3])
-        w = weight.to(hidden.dtype)
-        b = bias.to(hidden.dtype) if bias is not None else None
+        # the chunk's ops in the dtype autocast would give its matmul, with autocast off: under it the softmaxes would
+        # first copy the 16-bit logits to fp32 and write fp32 (10 bytes a logit at the peak, not 6), and an fp32
+        # residual stream would make an fp32 copy of the output layer that each matmul casts back
+        dev = hidden.device.type
+        dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else hidden.dtype
+        with torch.autocast(dev, enabled=False):
+            return _LinearCrossEntropy._chunks(ctx, hidden, weight, bias, targets, min_logits, dtype, want_h, want_w, want_b)
+
+    @staticmethod
+    def _chunks(ctx, hidden, weight, bias, targets, min_logits: int, dtype, want_h: bool, want_w: bool, want_b: bool):
+        w = weight.to(dtype)
+        b = bias.to(dtype) if bias is not None else None
         step = chunk_rows(hidden.shape[0], weight.shape[0], weight.shape[1], min_logits)
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         grad_h = torch.empty_like(hidden) if want_h else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_w else None
         grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if want_b else None
         for start in range(0, hidden.shape[0], step):
-            h, t = hidden[start:start + step], targets[start:start + step]
+            h, t = hidden[start:start + step].to(dtype), targets[start:start + step]
             logits = h @ w.T if b is None else torch.addmm(b, h, w.T)
             # one pass reading the 16-bit logits, writing fp32 log-probabilities (the stock loss's fp32 upcast, without
             # the separate copy, max, exp and sum passes of logits.float().logsumexp())
@@ -118,7 +128,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             del logits
             grad.scatter_add_(1, t[:, None], torch.full((t.shape[0], 1), -1.0, dtype=grad.dtype, device=grad.device))
             if want_h:
-                grad_h[start:start + step] = grad.to(hidden.dtype) @ w
+                grad_h[start:start + step] = grad.to(dtype) @ w
             if want_w:
                 grad_w += grad.T @ h.float()
             if want_b:
