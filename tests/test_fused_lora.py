@@ -99,13 +99,18 @@ def test_the_stage_model_uses_it_and_it_can_be_switched_off(tmp_path):
         kernels.settings(fsdp)
 
 
+def _qwen_moe(layers: int, **sizes):
+    """A small Qwen2-MoE config: routed experts, a shared expert and its one-output gate (Linear(hidden, 1))."""
+    small = dict(vocab_size=300, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                 shared_expert_intermediate_size=64, num_experts=4, num_experts_per_tok=2, num_attention_heads=4,
+                 num_key_value_heads=2)
+    return AutoConfig.for_model("qwen2_moe", num_hidden_layers=layers, **small | sizes)
+
+
 def test_a_layer_of_one_output_computes_what_peft_computes():
     # Qwen-MoE's shared_expert_gate is Linear(hidden, 1): its backward takes the broadcast product, not a matmul over 1
     torch.manual_seed(0)
-    base = AutoModelForCausalLM.from_config(AutoConfig.for_model(
-        "qwen2_moe", vocab_size=300, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
-        shared_expert_intermediate_size=64, num_experts=4, num_experts_per_tok=2, num_hidden_layers=1,
-        num_attention_heads=4, num_key_value_heads=2))
+    base = AutoModelForCausalLM.from_config(_qwen_moe(1))
     peft_model = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules=["shared_expert_gate", "q_proj"]))
     for n, p in peft_model.named_parameters():
         if "lora_B" in n:
@@ -129,10 +134,7 @@ def test_a_layer_of_one_output_computes_what_peft_computes():
 def test_a_family_liger_has_no_kernels_for_gets_llamas_where_its_modules_are_llamas():
     # Qwen2-MoE: its RMSNorm, RoPE and shared-expert MLP are Llama's line for line; GPT-OSS's norm and MLP are not
     torch.manual_seed(0)
-    qwen = AutoModelForCausalLM.from_config(AutoConfig.for_model(
-        "qwen2_moe", vocab_size=300, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
-        shared_expert_intermediate_size=64, num_experts=4, num_experts_per_tok=2, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2))
+    qwen = AutoModelForCausalLM.from_config(_qwen_moe(2))
     norms, mlps, rope = kernels.llama_like(qwen)
     assert len(norms) == 2 * 2 + 1 and {type(m).__name__ for m in norms} == {"Qwen2MoeRMSNorm"}
     assert [type(m).__name__ for m in mlps] == ["Qwen2MoeMLP"] * 2 and rope   # the shared experts
@@ -150,9 +152,8 @@ def test_a_family_liger_has_no_kernels_for_gets_llamas_where_its_modules_are_lla
                     reason="Liger's kernels run on a CUDA GPU (bench/peers/loss.sh runs this there)")
 def test_llamas_kernels_on_a_family_liger_lacks_compute_what_its_modules_compute():
     torch.manual_seed(0)
-    config = AutoConfig.for_model("qwen2_moe", vocab_size=4096, hidden_size=512, intermediate_size=1024,
-                                  moe_intermediate_size=256, shared_expert_intermediate_size=1024, num_experts=8,
-                                  num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4)
+    config = _qwen_moe(2, vocab_size=4096, hidden_size=512, intermediate_size=1024, moe_intermediate_size=256,
+                       shared_expert_intermediate_size=1024, num_experts=8, num_attention_heads=8, num_key_value_heads=4)
     exact = AutoModelForCausalLM.from_config(config).to("cuda").train()   # fp32: the reference both bf16 runs round from
     stock = copy.deepcopy(exact).to(torch.bfloat16)
     fused = copy.deepcopy(stock)

@@ -6,9 +6,9 @@ rows go through the output layer a chunk at a time: each chunk's logits, loss an
 forward and only the gradient with respect to the hidden states ([rows, hidden], 16-bit) is kept; the chunk's logits
 are freed before the next. Chunks are half Liger's size (`chunk_rows`), so what stages/train/memory_model.py counts for
 Liger's loss holds for this one, and at least `min_logits` logits: a chunk of a few dozen rows reads the whole output
-layer twice for little work (Qwen1.5-MoE's 151,936 x 2,048 head at 8,192 tokens: 128 chunks of 64 rows, 55 ms of a
-240 ms step bound by memory reads), so a plan with the card's room (kernels.resolve_auto's `loss_chunk_logits`) takes
-chunks of WIDE_CHUNK_LOGITS, where the matmul is bound by compute.
+layer twice for little work (Qwen1.5-MoE's 151,936 x 2,048 head at 8,192 tokens: 128 chunks of 64 rows, bound by
+memory reads; docs/benchmarks.md: peers), so a plan with the card's room (kernels.resolve_auto's `loss_chunk_logits`)
+takes chunks of WIDE_CHUNK_LOGITS, where the matmul is bound by compute.
 
 It is installed on the model's own forward: the output layer returns its input and the model's `loss_function`
 receives the hidden states in place of the logits, so everything the family's forward does around the loss (the
